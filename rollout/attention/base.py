@@ -1,0 +1,43 @@
+"""The attention-backend seam. A backend builds its metadata once per batch, then serves every
+layer's attention for that batch; the KV of the new tokens is written through the pool."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from rollout.forward_batch import ForwardBatch
+    from rollout.layers.attention import Attention
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        """Build whatever the kernels need for this batch (called once per step)."""
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim] of the new tokens → [num_tokens, heads, head_dim]."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        """q: [batch, heads, head_dim], one token per request → same shape."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        if fb.forward_mode.is_decode:
+            return self.forward_decode(q, layer, fb)
+        return self.forward_extend(q, layer, fb)
+
+    # CUDA-graph hooks: backends that support decode graphs override these.
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
+        raise NotImplementedError
+
+    def init_forward_metadata_replay(self, fb: "ForwardBatch") -> None:
+        raise NotImplementedError

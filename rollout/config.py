@@ -1,0 +1,228 @@
+"""Validated configuration dataclasses: the model's shape (from a HF directory) and the engine's."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rollout.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rope scaling (rope_type='llama3')."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[RopeScaling]
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        raw = _read_json(model_dir / "config.json")
+        try:
+            return cls._from_dict(raw, _read_eos(model_dir, raw))
+        except KeyError as e:
+            raise ConfigError(f"{model_dir}/config.json is missing the key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{model_dir}/config.json has a malformed value: {e}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any], eos: tuple[int, ...]) -> "ModelConfig":
+        archs = raw["architectures"]
+        if not isinstance(archs, list) or not archs:
+            raise ConfigError("config.json: 'architectures' must be a non-empty list")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        arch = archs[0]
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(raw)),
+            rope_scaling=_rope_scaling(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=eos,
+        )
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    return raw.get("rope_theta", params.get("rope_theta", 10000.0))
+
+
+def _rope_scaling(raw: dict[str, Any]) -> Optional[RopeScaling]:
+    rs = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"config.json: rope scaling type {kind!r} is not supported (only 'llama3')")
+    return RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
+                       float(rs["high_freq_factor"]), int(rs["original_max_position_embeddings"]))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: model_path must be a Hugging Face model directory")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_eos(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = _as_id_tuple(_read_json(gen).get("eos_token_id"))
+        if eos:
+            return eos
+    return _as_id_tuple(raw.get("eos_token_id"))
+
+
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an Engine needs. Validated on creation; derived values are properties."""
+
+    model_path: Optional[str] = None  # None: the embedded tiny model (made on first use)
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp_size: int = 1
+    attention_backend: str = "auto"
+    kv_cache_tokens: Optional[int] = None  # explicit KV budget in tokens (CPU default: 65536)
+    kv_cache_bytes: Optional[int] = None  # or an explicit budget in bytes
+    mem_fraction: float = 0.85  # GPU: share of free memory for weights + KV
+    preloaded_weights_bytes: int = 0
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    max_context_len: Optional[int] = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    cuda_graph: bool = True
+    cuda_graph_batch_sizes: Optional[tuple[int, ...]] = None
+    check_finite: bool = False  # weight updates: reject NaN/inf tensors
+    pause_mode: str = "retract"
+    show_progress: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check_positive_int("tp_size", self.tp_size)
+        _check_positive_int("max_running_requests", self.max_running_requests)
+        _check_positive_int("max_prefill_tokens", self.max_prefill_tokens)
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_context_len"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.preloaded_weights_bytes, int) or self.preloaded_weights_bytes < 0:
+            raise ConfigError("preloaded_weights_bytes must be a non-negative integer, "
+                              f"got {self.preloaded_weights_bytes!r}")
+        if not (isinstance(self.mem_fraction, float) and 0.0 < self.mem_fraction <= 1.0):
+            raise ConfigError(f"mem_fraction must be a float in (0, 1], got {self.mem_fraction!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                              f"got {self.attention_backend!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = tuple(self.cuda_graph_batch_sizes)
+            if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
+                raise ConfigError(f"cuda_graph_batch_sizes must be positive ints, got {sizes!r}")
+            self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        if self.cuda_graph_batch_sizes is not None:
+            return self.cuda_graph_batch_sizes
+        return (1, 2, 4, 8) + tuple(range(16, 257, 16))
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ModelConfig", "EngineConfig", "RopeScaling", "resolve_dtype", "ceil_div", "math"]

@@ -1,0 +1,29 @@
+"""Typed errors. Each one says what was wrong and, where it helps, what to do about it."""
+
+
+class RolloutError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(RolloutError, ValueError):
+    """An EngineConfig/ModelConfig value or a model directory's config.json is invalid."""
+
+
+class CheckpointError(RolloutError):
+    """A checkpoint is missing, malformed, or does not match the model's parameter table."""
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """A generate() call or its SamplingParams are invalid. Raised before any work starts."""
+
+
+class KVCacheBudgetError(RolloutError):
+    """The KV cache cannot hold even one request of the asked size."""
+
+
+class WeightUpdateError(RolloutError):
+    """A weight update was rejected (validation) or did not complete (transfer failure)."""
+
+
+class EngineNotReadyError(RolloutError):
+    """The engine refuses to generate: weights are incomplete or memory is released."""

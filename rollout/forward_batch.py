@@ -1,0 +1,78 @@
+"""ForwardBatch: the only interface between the Scheduler and the ModelRunner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from rollout.attention.base import AttentionBackend
+    from rollout.memory import ReqToTokenPool, TokenToKVPool
+    from rollout.sampling_info import SamplingBatchInfo
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill, or prefill of a suffix after a cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # chunked prefill together with decodes
+    IDLE = auto()  # no work on this rank; still joins the collectives
+    TARGET_VERIFY = auto()  # reserved: speculative decoding
+    DRAFT_EXTEND = auto()  # reserved: speculative decoding
+
+    @property
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """One step's tokens and where their KV lives. Tensors are on the runner's device.
+
+    Per request i: `seq_lens[i]` tokens are in the KV cache after this step, the last
+    `extend_seq_lens[i]` of which are computed now (1 in DECODE), after `extend_prefix_lens[i]`
+    already-cached tokens. `input_ids`/`positions`/`out_cache_loc` are flat over those tokens."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [batch] int64
+    seq_lens: torch.Tensor  # [batch] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64: KV slot of each new token
+    seq_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    sampling_info: Optional["SamplingBatchInfo"] = None
+    return_all_logits: bool = False  # prompt logprobs: logits for every token, not just the last
+    req_to_token_pool: Optional["ReqToTokenPool"] = None
+    token_to_kv_pool: Optional["TokenToKVPool"] = None
+    attn_backend: Optional["AttentionBackend"] = None
+    extend_seq_lens: Optional[torch.Tensor] = None  # [batch] int64
+    extend_prefix_lens: Optional[torch.Tensor] = None  # [batch] int64
+    token_req_pool_indices: Optional[torch.Tensor] = None  # [num_tokens]: request row per token
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_seq_lens_cpu, default=0)
+
+    def logits_indices(self) -> Optional[torch.Tensor]:
+        """Rows of the hidden states whose logits are needed (None: all of them)."""
+        if self.forward_mode.is_decode or self.return_all_logits:
+            return None
+        ends = torch.tensor(self.extend_seq_lens_cpu, device=self.input_ids.device).cumsum(0)
+        return ends - 1

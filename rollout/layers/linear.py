@@ -1,0 +1,83 @@
+"""Megatron-style tensor-parallel linear layers. With tp.size == 1 they are plain linears."""
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.distributed import SINGLE, TPGroup
+from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W split by output rows; each rank keeps its rows, no communication.
+
+    `shard_sizes` lists the output sizes of the HF tensors fused into this one (their ids
+    `shard_ids`), e.g. gate/up; each is split over ranks on its own so rank r holds
+    [gate_r; up_r]."""
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool,
+                 tp: TPGroup = SINGLE, shard_ids: Optional[Sequence[Hashable]] = None):
+        super().__init__()
+        self.tp = tp
+        self.shard_ids = list(shard_ids) if shard_ids is not None else [None]
+        self.full_sizes = dict(zip(self.shard_ids, shard_sizes))
+        self.local_sizes = {k: tp.shard_range(n)[1] for k, n in self.full_sizes.items()}
+        offsets, acc = {}, 0
+        for k in self.shard_ids:
+            offsets[k], acc = acc, acc + self.local_sizes[k]
+        self.local_offsets = offsets
+        self.weight = make_param((acc, in_features), self.weight_loader,
+                                 {k: (n, in_features) for k, n in self.full_sizes.items()})
+        self.bias = make_param((acc,), self.weight_loader,
+                               {k: (n,) for k, n in self.full_sizes.items()}) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: Hashable = None) -> None:
+        start, length = self.tp.shard_range(self.full_sizes[shard_id])
+        dst = param.data.narrow(0, self.local_offsets[shard_id], length)
+        copy_into(dst, full.narrow(0, start, length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Fused gate_proj + up_proj (shard ids 0 and 1)."""
+
+    def __init__(self, in_features: int, sizes: Sequence[int], bias: bool, tp: TPGroup = SINGLE):
+        super().__init__(in_features, sizes, bias, tp, shard_ids=list(range(len(sizes))))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projections (shard ids 'q', 'k', 'v'); each rank keeps whole heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPGroup = SINGLE):
+        if num_heads % tp.size or num_kv_heads % tp.size:
+            raise ValueError(f"tp_size={tp.size} must divide num_heads={num_heads} "
+                             f"and num_kv_heads={num_kv_heads}")
+        sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        super().__init__(hidden, sizes, bias, tp, shard_ids=("q", "k", "v"))
+        self.q_size, self.kv_size = (self.local_sizes[k] for k in ("q", "k"))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.in_start, in_local = tp.shard_range(in_features)
+        self.weight = make_param((out_features, in_local), self.weight_loader,
+                                 {None: (out_features, in_features)})
+        self.bias = make_param((out_features,), replicated_loader,
+                               {None: (out_features,)}) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: Hashable = None) -> None:
+        copy_into(param.data, full.narrow(1, self.in_start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

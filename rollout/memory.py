@@ -1,0 +1,73 @@
+"""KV memory: request slots, token slots (slot 0 is a dummy for padded rows) and the KV pools."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from rollout.errors import KVCacheBudgetError
+
+logger = logging.getLogger(__name__)
+
+
+class ReqToTokenPool:
+    """int32 [max_reqs, max_context] on the device: request slot → KV slot of each token.
+
+    Rows are written by the ModelRunner from each ForwardBatch (so every TP rank keeps the same
+    table without extra messages); which rows and slots are free is the scheduler's KVAllocator."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str):
+        self.max_context = max_context
+        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=device)
+
+    def write(self, token_req_slots: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
+        self.req_to_token[token_req_slots, positions] = kv_slots.to(torch.int32)
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers [num_slots, kv_heads_per_rank, head_dim]."""
+
+    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_slots, kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def kv_capacity_tokens(*, bytes_per_token: int, tokens: Optional[int] = None,
+                       budget_bytes: Optional[int] = None, free_before_load: Optional[int] = None,
+                       mem_fraction: float = 0.85, weights_bytes: int = 0,
+                       preloaded_weights_bytes: int = 0, default_tokens: int = 65536) -> int:
+    """Tokens the KV cache can hold.
+
+    Explicit budgets win. On GPU: free memory measured before the weights loaded, times
+    mem_fraction, minus the weights this engine loaded; weights already resident at that
+    measurement (`preloaded_weights_bytes`) were not in the free figure, so they are added back."""
+    for name, v in (("preloaded_weights_bytes", preloaded_weights_bytes), ("weights_bytes", weights_bytes)):
+        if not isinstance(v, int) or v < 0:
+            raise KVCacheBudgetError(f"{name} must be a non-negative integer, got {v!r}")
+    if tokens is not None:
+        return tokens
+    if budget_bytes is not None:
+        return budget_bytes // bytes_per_token
+    if free_before_load is None:
+        return default_tokens
+    available = int(free_before_load * mem_fraction) - weights_bytes + preloaded_weights_bytes
+    if available <= 0:
+        raise KVCacheBudgetError(
+            f"no memory left for the KV cache: free {free_before_load} B x mem_fraction {mem_fraction}"
+            f" - weights {weights_bytes} B + preloaded {preloaded_weights_bytes} B = {available} B; "
+            "raise mem_fraction or free GPU memory")
+    return available // bytes_per_token

@@ -1,0 +1,136 @@
+"""ModelRunner: one tensor-parallel shard of the model. ForwardBatch in, logits and tokens out.
+
+Knows nothing about requests or Ray. Init order (DESIGN.md): device and distributed state →
+initialize() (model, weights) → memory pools → attention backend → CUDA graphs (last, so the
+graphs see the pools)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from rollout import loader
+from rollout.attention import create_backend
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import SINGLE, TPGroup
+from rollout.errors import CheckpointError, KVCacheBudgetError
+from rollout.forward_batch import ForwardBatch
+from rollout.memory import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token, kv_capacity_tokens
+from rollout.models.registry import model_class
+from weight_sync.spec import TensorSpec
+from rollout.sampler import SampleOutput, sample
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, tp: TPGroup = SINGLE,
+                 device: Optional[torch.device] = None):
+        self.model_config, self.config, self.tp = model_config, config, tp
+        self.device = device or torch.device(config.device)
+        self.dtype = config.torch_dtype
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        free_before = self._free_device_memory()
+        self.initialize()
+        self.init_memory_pool(free_before)
+        self.attn_backend = create_backend(config.attention_backend, self)
+        self.graph_runner = self._init_cuda_graphs()
+
+    # ---- initialisation -------------------------------------------------------------------
+    def initialize(self) -> None:
+        cls = model_class(self.model_config.architecture)
+        with _default_dtype(self.dtype), self.device:
+            self.model = cls(self.model_config, self.tp)
+        self.model.eval()
+        self.load_checkpoint(self.config.model_path)
+
+    def load_checkpoint(self, model_path: str) -> None:
+        files = loader.checkpoint_files(model_path)
+        self.model.weight_table.validate(loader.read_specs(files), complete=True, exact_dtype=False)
+        try:
+            self.model.load_weights(loader.iter_tensors(files))
+        except CheckpointError:
+            raise
+        except Exception as e:  # a shard that passed the header check but fails to read
+            raise CheckpointError(f"reading checkpoint {model_path} failed: {e}") from e
+
+    def init_memory_pool(self, free_before: Optional[int]) -> None:
+        cfg, mc = self.config, self.model_config
+        kv_heads = mc.num_key_value_heads // self.tp.size
+        per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, self.dtype)
+        tokens = kv_capacity_tokens(
+            bytes_per_token=per_token, tokens=cfg.kv_cache_tokens, budget_bytes=cfg.kv_cache_bytes,
+            free_before_load=free_before, mem_fraction=cfg.mem_fraction,
+            weights_bytes=self.weights_bytes(), preloaded_weights_bytes=cfg.preloaded_weights_bytes)
+        if tokens < 2:
+            raise KVCacheBudgetError(f"KV budget holds {tokens} token(s); one request needs at least "
+                                     f"2 ({per_token} B per token)")
+        self.max_context_len = min(cfg.max_context_len or mc.max_position_embeddings,
+                                   mc.max_position_embeddings)
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.max_context_len,
+                                                self.device)
+        self.token_to_kv_pool = TokenToKVPool(tokens + 1, mc.num_hidden_layers, kv_heads, mc.head_dim,
+                                              self.dtype, self.device)
+        self.num_token_slots = tokens + 1  # slot 0 is the dummy for padded rows
+        logger.info("KV cache: %d tokens (%.1f MiB)", tokens, self.token_to_kv_pool.nbytes() / 2**20)
+
+    def _init_cuda_graphs(self):
+        if self.device.type != "cuda" or not self.config.cuda_graph:
+            return None
+        from rollout.cuda_graph_runner import CudaGraphRunner
+        return CudaGraphRunner(self)
+
+    def _free_device_memory(self) -> Optional[int]:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [rows, vocab] float32: one row per request (last token), or every token when
+        `fb.return_all_logits`."""
+        fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
+        return self.forward_eager(fb)
+
+    def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden, fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, fb: ForwardBatch) -> SampleOutput:
+        return sample(logits, fb.sampling_info)
+
+    # ---- weights --------------------------------------------------------------------------
+    def validate_weights(self, specs: Iterable[TensorSpec], error: type[Exception], *,
+                         complete: bool = False, exact_dtype: bool = True) -> None:
+        self.model.weight_table.validate(specs, complete=complete, exact_dtype=exact_dtype, error=error)
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        n = self.model.load_weights(weights)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return n
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags), tensor-parallel ready."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout.config import ModelConfig
+from rollout.distributed import SINGLE, TPGroup
+from rollout.forward_batch import ForwardBatch
+from rollout.layers.attention import Attention
+from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rollout.layers.norm import RMSNorm
+from rollout.layers.rotary import RotaryEmbedding
+from rollout.models.weight_table import WeightTable
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding,
+                 qk_norm: bool):
+        super().__init__()
+        d = cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(layer_id, self.heads, self.kv_heads, d)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        n, d = x.shape[0], self.attn.head_dim
+        q, k, v = self.qkv_proj(x).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.inter = cfg.intermediate_size // tp.size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding,
+                 qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_id, tp, rotary, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, rotary, qk_norm) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, fb)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    # HF tensors fused into one of our parameters: fused name → (HF name, shard id) pieces.
+    packed_modules = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, tp, self.qk_norm)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._table = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        rows = fb.logits_indices()
+        if rows is not None:
+            hidden = hidden[rows]
+        return self.lm_head.compute_logits(hidden).float()
+
+    @property
+    def weight_table(self) -> WeightTable:
+        if self._table is None:
+            aliases = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+            self._table = WeightTable.build(self, self.packed_modules, ignored=aliases)
+        return self._table
+
+    def load_weights(self, weights) -> int:
+        """The one loading path (checkpoints and weight sync): HF-named full tensors are
+        validated against the parameter table, then copied in place into this rank's shards."""
+        return self.weight_table.load(weights)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with bias on q/k/v (from config.attention_bias, true for Qwen2)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head RMSNorm on q and k before rope."""
+
+    qk_norm = True

@@ -1,0 +1,26 @@
+import os
+
+import pytest
+import torch
+
+from rollout.tiny_model import TinyModelSpec, make_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One tiny random model directory per architecture (Llama with llama3 rope scaling)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        arch: str(make_tiny_model(root / arch, TinyModelSpec(
+            architecture=arch, llama3_rope_scaling=arch == "LlamaForCausalLM", seed=i)))
+        for i, arch in enumerate(ARCHS)
+    }
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,48 @@
+"""Shared test helpers: the HF oracle and a direct ModelRunner driver."""
+from __future__ import annotations
+
+import torch
+
+from rollout.batch_builder import build_batch
+from rollout.config import EngineConfig, ModelConfig
+from rollout.forward_batch import ForwardMode
+from rollout.kv_allocator import KVAllocator
+from rollout.model_runner import ModelRunner
+
+
+def hf_model(path: str, dtype=torch.float32):
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+class RunnerDriver:
+    """Drives a ModelRunner the way the scheduler does, without sampling: prefill a ragged
+    batch, then decode with caller-chosen tokens."""
+
+    def __init__(self, path: str, **cfg):
+        cfg.setdefault("kv_cache_tokens", 4096)
+        self.config = EngineConfig(model_path=path, **cfg)
+        self.runner = ModelRunner(ModelConfig.from_pretrained(path), self.config)
+        self.alloc = KVAllocator(self.config.max_running_requests + 1, self.runner.num_token_slots,
+                                 self.runner.max_context_len)
+        self.rows: list[int] = []
+        self.lens: list[int] = []
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        self.rows = [self.alloc.alloc_row() for _ in prompts]
+        fb = build_batch(ForwardMode.EXTEND, self.rows, prompts, [0] * len(prompts), self.alloc,
+                         self.runner.device)
+        self.lens = [len(p) for p in prompts]
+        return self.runner.forward(fb)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        fb = build_batch(ForwardMode.DECODE, self.rows, [[t] for t in tokens], self.lens,
+                         self.alloc, self.runner.device)
+        self.lens = [n + 1 for n in self.lens]
+        return self.runner.forward(fb)
