@@ -170,3 +170,20 @@ def _byte_of_char(c: str) -> int:
 
 def spec_dict(spec: TinyModelSpec) -> dict:
     return asdict(spec)
+
+
+def default_tiny_model_dir() -> Path:
+    """The embedded default model (made once, then reused): Qwen2-shaped, byte tokenizer."""
+    import os
+    import tempfile
+    root = Path(os.environ.get("ROLLOUT_CACHE", Path(tempfile.gettempdir()) / "rollout-cache"))
+    out = root / "tiny-qwen2-v1"
+    if not (out / "model.safetensors").is_file():
+        tmp = Path(tempfile.mkdtemp(dir=root.parent if root.exists() else None))
+        make_tiny_model(tmp, TinyModelSpec())
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it first
+            pass
+    return out

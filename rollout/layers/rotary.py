@@ -1,6 +1,7 @@
 """Rotary position embedding (HF's rotate-half layout) with optional Llama-3 frequency scaling.
 
-cos/sin are tabulated once for every position, in float32, then looked up by `positions`."""
+cos/sin are tabulated once for every position in float32; a forward looks them up once per
+step (`lookup`) and every layer applies them to q and k together."""
 from __future__ import annotations
 
 import math
@@ -36,18 +37,17 @@ class RotaryEmbedding(nn.Module):
                  scaling: Optional[RopeScaling] = None):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [P, head_dim / 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of shape [T, 1, head_dim / 2] for the step's positions."""
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
+                self.sin_cache[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] → x·cos + rotate_half(x)·sin, computed on the two halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

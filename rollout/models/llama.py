@@ -11,13 +11,12 @@ from rollout.layers.attention import Attention
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rollout.layers.norm import RMSNorm
-from rollout.layers.rotary import RotaryEmbedding
+from rollout.layers.rotary import RotaryEmbedding, apply_rotary
 from rollout.models.weight_table import WeightTable
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding,
-                 qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, qk_norm: bool):
         super().__init__()
         d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size
@@ -26,18 +25,19 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(layer_id, self.heads, self.kv_heads, d)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         n, d = x.shape[0], self.attn.head_dim
-        q, k, v = self.qkv_proj(x).split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        qk, v = self.qkv_proj(x).split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
+                                         self.qkv_proj.kv_size], dim=-1)
+        qk = qk.view(n, self.heads + self.kv_heads, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+            qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])), dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads together: one rotation per layer
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v.view(n, self.kv_heads, d), fb))
 
 
 class MLP(nn.Module):
@@ -54,16 +54,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding,
-                 qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, qk_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, layer_id, tp, rotary, qk_norm)
+        self.self_attn = DecoderAttention(cfg, layer_id, tp, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), fb)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -71,16 +71,17 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, rotary, qk_norm) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, tp, qk_norm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, h.dtype)
         for layer in self.layers:
-            h = layer(positions, h, fb)
+            h = layer(rope, h, fb)
         return self.norm(h)
 
 

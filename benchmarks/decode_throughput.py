@@ -1,0 +1,165 @@
+"""Decode throughput: the engine next to HF `generate` on the same random model, in one run,
+and (on GPU) next to the memory-bandwidth floor measured in the same run.
+
+  python benchmarks/decode_throughput.py --shape cpu-small --device cpu --batch-sizes 1 16 64
+  python benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 \
+      --batch-sizes 1 32 128 --out $OUT/decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.tiny_model import TinyModelSpec, make_tiny_model
+
+SHAPES = {
+    # ANCHORS.md CPU shape
+    "cpu-small": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=4096, hidden_size=256,
+                               intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                               num_key_value_heads=2, max_position_embeddings=2048),
+    "qwen2-1.5b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536,
+                                intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                num_key_value_heads=2, max_position_embeddings=4096,
+                                rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02),
+}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=g).tolist()
+
+
+def bench_engine(engine: Engine, batch: int, args) -> dict:
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    prompts = prompts_for(batch, args.prompt_len, engine.model_config.vocab_size)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sp)
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": statistics.median(times), "tok_per_s": tokens / statistics.median(times)}
+
+
+def bench_hf(model, batch: int, args) -> dict:
+    prompts = torch.tensor(prompts_for(batch, args.prompt_len, model.config.vocab_size),
+                           device=args.device)
+    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
+              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    if args.hf_static_cache:
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        model.generate(prompts[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        times = []
+        for _ in range(args.repeats):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            out = model.generate(prompts, **kw)
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+    tokens = (out.shape[1] - args.prompt_len) * batch
+    return {"tokens": tokens, "seconds": statistics.median(times), "tok_per_s": tokens / statistics.median(times)}
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by one large device copy (GPU only)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)
+
+
+def floor_tok_per_s(engine: Engine, batch: int, args, bandwidth: float) -> float:
+    """Tokens/s if each decode step only read the weights and the KV once at `bandwidth`."""
+    weights = engine.runner.weights_bytes()
+    mc = engine.model_config
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * \
+        torch.empty(0, dtype=engine.config.torch_dtype).element_size()
+    mean_ctx = args.prompt_len + args.new_tokens / 2
+    step_bytes = weights + batch * mean_ctx * kv_per_token
+    return batch / (step_bytes / (bandwidth / 2))  # a copy moves 2 bytes per byte read
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="cpu-small", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-static-cache", action="store_true")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+    result = run(args)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def run(args) -> dict:
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.shape, SHAPES[args.shape],
+                                with_tokenizer=False)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model_path=str(model_dir), device=args.device, dtype=args.dtype,
+                                 attention_backend=args.attention_backend,
+                                 cuda_graph=not args.no_cuda_graph,
+                                 max_running_requests=max(args.batch_sizes),
+                                 kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
+    _sync(args.device)
+    startup = time.perf_counter() - t0
+    bandwidth = copy_bandwidth(args.device)
+    rows = []
+    hf = None if args.skip_hf else _load_hf(model_dir, args)
+    for bs in args.batch_sizes:
+        row = {"batch": bs, "engine": bench_engine(engine, bs, args)}
+        if hf is not None:
+            row["hf"] = bench_hf(hf, bs, args)
+            row["speedup"] = row["engine"]["tok_per_s"] / row["hf"]["tok_per_s"]
+        row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"shape": args.shape, "device": args.device, "dtype": args.dtype,
+            "backend": type(engine.runner.attn_backend).__name__,
+            "cuda_graph": engine.runner.graph_runner is not None, "startup_s": startup,
+            "copy_bandwidth_GBps": bandwidth / 1e9, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
+
+
+def _load_hf(model_dir: Path, args):
+    import transformers
+    dtype = getattr(torch, args.dtype)
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The `rollout` console script: `demo`, `generate` (JSONL in/out) and `bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args) or 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout", description="RL rollout engine: sample with logprobs, "
+                                "sync weights, measure.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(title="commands")
+    _demo_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    return p
+
+
+def _demo_parser(sub) -> None:
+    d = sub.add_parser("demo", help="GRPO-style sampling on the embedded tiny model (no downloads)")
+    d.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
+    d.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    d.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sample (default 24)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the sampling streams (default 0)")
+    d.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    d.set_defaults(func=lambda a: _demo(a))
+
+
+def _demo(a) -> int:
+    from rollout.demo import run_demo
+    run_demo(a.model, a.n, a.max_new_tokens, a.seed, a.device)
+    return 0
+
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate for a JSONL file of prompts",
+                       description="Each input line is a JSON object with either 'prompt' (a string; "
+                       "needs tokenizer.json in the model dir) or 'prompt_token_ids' (a list of ints), "
+                       "and optionally 'sampling_params' (an object of SamplingParams fields) that "
+                       "overrides the command-line defaults. Each output line holds the prompt index, "
+                       "sample index, token ids, logprobs, finish reason, weight version and text.")
+    g.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
+    g.add_argument("--input", required=True, help="JSONL file of prompts")
+    g.add_argument("--output", required=True, help="JSONL file to write, one line per sample")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (128)")
+    g.add_argument("--temperature", type=float, default=1.0, help="default temperature; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="default top_p (1.0 = off)")
+    g.add_argument("--top-k", type=int, default=-1, help="default top_k (-1 = off)")
+    g.add_argument("--n", type=int, default=1, help="default samples per prompt")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for prompts without their own")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV budget in tokens (CPU)")
+    g.add_argument("--progress", action="store_true", help="show a progress bar")
+    g.set_defaults(func=lambda a: _generate(a))
+
+
+def _generate(a) -> int:
+    from rollout import Engine, EngineConfig, SamplingParams
+    defaults = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                    top_k=a.top_k, n=a.n)
+    prompts, params = [], []
+    with open(a.input) as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                prompt, sp = _parse_line(line, line_no, defaults)
+                prompts.append(prompt)
+                params.append(SamplingParams(**sp))
+    engine = Engine(EngineConfig(model_path=a.model, device=a.device, dtype=a.dtype, seed=a.seed,
+                                 kv_cache_tokens=a.kv_cache_tokens))
+    outs = engine.generate(prompts, params, progress=a.progress)
+    with open(a.output, "w") as f:
+        for o in outs:
+            f.write(json.dumps(_output_record(o)) + "\n")
+    print(f"wrote {len(outs)} samples to {a.output}", file=sys.stderr)
+    return 0
+
+
+def _parse_line(line: str, line_no: int, defaults: dict):
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"input line {line_no} is not JSON: {e}")
+    prompt = rec.get("prompt", rec.get("prompt_token_ids"))
+    if prompt is None:
+        raise SystemExit(f"input line {line_no} has neither 'prompt' nor 'prompt_token_ids'")
+    return prompt, {**defaults, **rec.get("sampling_params", {})}
+
+
+def _output_record(o) -> dict:
+    return {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
+            "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
+            "finish_reason": o.finish_reason, "weight_version": o.weight_version,
+            "token_weight_versions": o.token_weight_versions, "text": o.text}
+
+
+def _bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(title="benchmarks")
+    try:
+        from rollout.bench_cli import add_weight_sync_parser
+    except ImportError:
+        return
+    add_weight_sync_parser(bsub)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

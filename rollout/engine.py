@@ -1,0 +1,113 @@
+"""Engine: the single-process rollout engine (DESIGN.md §3). Requests in, samples out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import SINGLE, TPGroup
+from rollout.errors import EngineNotReadyError, InvalidRequestError
+from rollout.forward_batch import ForwardBatch
+from rollout.kv_allocator import KVAllocator
+from rollout.model_runner import ModelRunner
+from rollout.outputs import GenerateOutput
+from rollout.progress import progress_bar
+from rollout.request import Request
+from rollout.request_builder import ParamsArg, Prompt, PromptLimits, RequestBuilder, optional_tokenizer
+from rollout.sampler import SampleOutput
+from rollout.scheduler import Scheduler, SchedulerLimits
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: Optional[EngineConfig] = None, *, tp: TPGroup = SINGLE, **overrides: Any):
+        config = config or EngineConfig(**overrides)
+        if config.model_path is None:
+            from rollout.tiny_model import default_tiny_model_dir
+            config.model_path = str(default_tiny_model_dir())
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.runner = ModelRunner(self.model_config, config, tp)
+        self.tokenizer = optional_tokenizer(config.model_path)
+        self.scheduler = self._make_scheduler()
+        limits = PromptLimits(self.model_config.vocab_size, self.runner.max_context_len,
+                              self.runner.num_token_slots - 1)
+        self._requests = RequestBuilder(limits, self.tokenizer, config.seed)
+        self._lock = threading.Lock()
+        self._not_ready_reason: Optional[str] = None
+
+    def _make_scheduler(self) -> Scheduler:
+        r, mc = self.runner, self.model_config
+        alloc = KVAllocator(self.config.max_running_requests + 1, r.num_token_slots, r.max_context_len)
+        limits = SchedulerLimits(self.config.max_running_requests, self.config.max_prefill_tokens,
+                                 mc.vocab_size, frozenset(mc.eos_token_ids))
+        return Scheduler(alloc, limits, self.run_batch, r.device)
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.weight_version
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    def run_batch(self, fb: ForwardBatch) -> SampleOutput:
+        """One forward + sample. A TP leader wraps this to send `fb` to its followers first."""
+        return self.runner.sample(self.runner.forward(fb), fb)
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
+                 progress: Optional[bool] = None, **unknown: Any) -> list[GenerateOutput]:
+        """Samples for every prompt (× n), in input order: prompt i's samples are contiguous."""
+        outs = list(self.generate_iter(prompts, sampling_params, progress=progress, **unknown))
+        outs.sort(key=lambda o: (o.prompt_index, o.sample_index))
+        return outs
+
+    def generate_iter(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
+                      progress: Optional[bool] = None, **unknown: Any) -> Iterator[GenerateOutput]:
+        """Streaming form: yields each sample as soon as it finishes (`prompt_index` and
+        `sample_index` say which it is). Validation happens before the first yield's work."""
+        if unknown:
+            raise InvalidRequestError(f"unknown generate() argument(s) {sorted(unknown)}")
+        self._check_ready()
+        reqs = self._requests.build(prompts, sampling_params)
+        return self._run(reqs, self.config.show_progress if progress is None else progress)
+
+    async def agenerate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None,
+                        **kw: Any) -> list[GenerateOutput]:
+        """asyncio form of generate(); the work runs in a worker thread."""
+        return await asyncio.to_thread(self.generate, prompts, sampling_params, **kw)
+
+    def _run(self, reqs: list[Request], show: bool) -> Iterator[GenerateOutput]:
+        with self._lock:
+            for r in reqs:
+                self.scheduler.add(r)
+            with progress_bar(len(reqs), show) as bar:
+                while self.scheduler.has_work:
+                    for req in self.scheduler.step():
+                        bar.update(1)
+                        yield self._output(req)
+
+    def _output(self, req: Request) -> GenerateOutput:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        return GenerateOutput.from_request(req, self.weight_version, text)
+
+    def abort(self, rid: int) -> bool:
+        return self.scheduler.abort(rid) is not None
+
+    def _check_ready(self) -> None:
+        if self._not_ready_reason is not None:
+            raise EngineNotReadyError(self._not_ready_reason)
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_all()
+        self.runner = None  # frees weights and KV pools once no one else holds them
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

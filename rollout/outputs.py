@@ -1,0 +1,38 @@
+"""GenerateOutput: what generate() returns for each sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollout.request import Request
+
+
+@dataclass
+class GenerateOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token) under softmax(logits / T), full vocab (T=1 if greedy)
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int  # version that produced the last token (the engine's at finish if none)
+    token_weight_versions: list[int]
+    prompt_index: int = 0
+    sample_index: int = 0
+    text: Optional[str] = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_retractions: int = 0
+    rerun_after_failure: bool = False  # re-run on another replica after its first one died
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+    @classmethod
+    def from_request(cls, req: Request, engine_version: int, text: Optional[str] = None) -> "GenerateOutput":
+        versions = list(req.token_versions)
+        return cls(
+            prompt_token_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
+            logprobs=list(req.logprobs), finish_reason=req.finish_reason or "abort",
+            weight_version=versions[-1] if versions else engine_version,
+            token_weight_versions=versions, prompt_index=req.prompt_index,
+            sample_index=req.sample_index, text=text, top_logprobs=list(req.top_logprobs),
+            num_retractions=req.num_retractions)

@@ -1,0 +1,62 @@
+"""Request: one sample being generated. It owns its tokens, logprobs and KV row."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_len: int  # prompt + generated tokens may not exceed this (context or KV capacity)
+    prompt_index: int = 0  # position of its prompt in the generate() call
+    sample_index: int = 0  # which of the prompt's n samples
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    row: Optional[int] = None  # KV row while resident
+    num_retractions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is cached while running: all but the last sampled one."""
+        return self.length - 1 if self.output_ids else self.length
+
+    @property
+    def position(self) -> int:
+        """Position of the next token to sample."""
+        return self.length
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float, version: int,
+               top: Optional[list[tuple[int, float]]] = None) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        self.token_versions.append(version)
+        if top is not None:
+            self.top_logprobs.append(top)
+
+    def check_finished(self, eos_ids: frozenset[int]) -> None:
+        last = self.output_ids[-1]
+        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_new_tokens or self.length >= self.max_len:
+            self.finish_reason = "length"

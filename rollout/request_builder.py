@@ -1,0 +1,117 @@
+"""Turns generate() arguments into validated Requests. Every check runs before any work starts."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from rollout.errors import InvalidRequestError, KVCacheBudgetError
+from rollout.request import Request
+from rollout.sampler import mix_seed
+from rollout.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+ParamsArg = Union[None, SamplingParams, dict, Sequence[Union[SamplingParams, dict]]]
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    vocab_size: int
+    max_context: int  # the model's (or configured) context length
+    kv_capacity: int  # tokens the KV pool holds
+
+    @property
+    def max_len(self) -> int:
+        """Prompt + output tokens one request may reach."""
+        return min(self.max_context, self.kv_capacity)
+
+
+class RequestBuilder:
+    def __init__(self, limits: PromptLimits, tokenizer: Any, seed: int):
+        self.limits, self.tokenizer = limits, tokenizer
+        self._rng = random.Random(seed)
+        self._next_rid = 0
+
+    def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidRequestError("prompts must be a list of prompts (token-id lists or strings)")
+        if len(prompts) == 0:
+            raise InvalidRequestError("prompts is empty: give at least one prompt")
+        per_prompt = _params_list(params, len(prompts))
+        ids = [self._encode(i, p) for i, p in enumerate(prompts)]
+        return [req for i, (p, sp) in enumerate(zip(ids, per_prompt)) for req in self._expand(i, p, sp)]
+
+    def _expand(self, index: int, prompt: list[int], sp: SamplingParams) -> list[Request]:
+        base = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        out = []
+        for k in range(sp.n):
+            seed = base if sp.n == 1 else mix_seed(base, k)
+            out.append(Request(self._next_rid, prompt, sp, seed, self.limits.max_len, index, k))
+            self._next_rid += 1
+        return out
+
+    def _encode(self, index: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"prompt {index} is a string but the model has no tokenizer.json;"
+                                          " pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        else:
+            ids = _as_ids(index, prompt)
+        self._check_ids(index, ids)
+        return ids
+
+    def _check_ids(self, index: int, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError(f"prompt {index} is empty")
+        bad = next((t for t in ids if t < 0 or t >= self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt {index} has token id {bad} outside [0, {self.limits.vocab_size})")
+        if len(ids) >= self.limits.max_context:
+            raise InvalidRequestError(
+                f"prompt {index} has {len(ids)} tokens; the context length is {self.limits.max_context}, "
+                "which must also leave room for one generated token")
+        if len(ids) >= self.limits.kv_capacity:
+            raise KVCacheBudgetError(
+                f"prompt {index} has {len(ids)} tokens but the KV cache holds {self.limits.kv_capacity}: "
+                "raise kv_cache_tokens / kv_cache_bytes")
+
+
+def _as_ids(index: int, prompt: Any) -> list[int]:
+    if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+        raise InvalidRequestError(f"prompt {index} must be a list of token ids or a string, "
+                                  f"got {type(prompt).__name__}")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidRequestError(f"prompt {index} holds {t!r}; token ids must be ints")
+    return list(prompt)
+
+
+def _params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, (SamplingParams, dict)):
+        return [_one(params)] * n
+    if not isinstance(params, Sequence):
+        raise InvalidRequestError(f"sampling_params must be SamplingParams, a dict or a list of them, "
+                                  f"got {type(params).__name__}")
+    if len(params) != n:
+        raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
+    return [_one(p) for p in params]
+
+
+def _one(p: Any) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    raise InvalidRequestError(f"sampling params must be SamplingParams or dict, got {type(p).__name__}")
+
+
+def optional_tokenizer(model_dir: str) -> Optional[Any]:
+    from pathlib import Path
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))

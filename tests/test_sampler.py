@@ -1,0 +1,72 @@
+"""Spec for the sampler: empirical frequencies match the top-k → top-p → min-p filtered
+distribution (chi-square), draws depend only on (seed, position)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rollout.sampler import sample, uniform_from
+from rollout.sampling_info import SamplingBatchInfo
+from rollout.sampling_params import SamplingParams
+
+VOCAB = 24
+
+
+def reference_distribution(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Independent, sequential definition: temperature, then top-k, then top-p over the
+    renormalised survivors, then min-p relative to the most likely survivor."""
+    p = torch.softmax(logits.double() / sp.temperature, -1)
+    order = sorted(range(len(p)), key=lambda i: -p[i].item())
+    keep = order[: sp.top_k] if sp.top_k > 0 else order
+    total, kept, acc = sum(p[i].item() for i in keep), [], 0.0
+    for i in keep:
+        if acc >= sp.top_p:
+            break
+        kept.append(i)
+        acc += p[i].item() / total
+    top = p[kept[0]].item()
+    kept = [i for i in kept if p[i].item() >= sp.min_p * top]
+    out = torch.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=8),
+    SamplingParams(temperature=1.3, top_p=0.75),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=0.9, top_k=12, top_p=0.85, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("sp", CASES, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}-m{s.min_p}")
+def test_frequencies_match_filtered_distribution(sp):
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
+    draws = 40_000
+    info = SamplingBatchInfo.build([sp] * draws, list(range(draws)), [17] * draws, VOCAB, torch.device("cpu"))
+    tokens = sample(logits.expand(draws, VOCAB).contiguous(), info).tokens
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    expected = reference_distribution(logits, sp) * draws
+    assert counts[expected == 0].sum() == 0, "a filtered-out token was sampled"
+    support = expected > 0
+    assert chisquare(counts[support].numpy(), expected[support].numpy()).pvalue > 1e-3
+
+
+def test_uniforms_are_uniform_and_pure():
+    seeds, pos = torch.arange(50_000), torch.full((50_000,), 3)
+    u = uniform_from(seeds, pos)
+    assert 0.0 <= u.min() and u.max() < 1.0
+    counts = torch.histc(u.float(), bins=20, min=0, max=1).numpy()
+    assert chisquare(counts).pvalue > 1e-3
+    assert torch.equal(uniform_from(seeds[7:9], pos[7:9]), u[7:9])
+    assert not torch.equal(uniform_from(seeds, pos + 1), u)
+
+
+def test_greedy_rows_take_argmax_and_report_t1_logprob():
+    logits = torch.randn(3, VOCAB)
+    sps = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=0.0)]
+    info = SamplingBatchInfo.build(sps, [0, 1, 2], [0, 0, 0], VOCAB, torch.device("cpu"))
+    out = sample(logits, info)
+    assert out.tokens[0] == logits[0].argmax() and out.tokens[2] == logits[2].argmax()
+    assert torch.allclose(out.logprobs[0], torch.log_softmax(logits[0], -1)[out.tokens[0]])
+    assert torch.allclose(out.logprobs[1], torch.log_softmax(logits[1] / 0.5, -1)[out.tokens[1]])
