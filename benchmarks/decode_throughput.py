@@ -28,7 +28,8 @@ SHAPES = {
     "qwen2-1.5b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536,
                                 intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                                 num_key_value_heads=2, max_position_embeddings=4096,
-                                rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02),
+                                rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02,
+                                dtype="bfloat16"),
 }
 
 
@@ -100,7 +101,7 @@ def floor_tok_per_s(engine: Engine, batch: int, args, bandwidth: float) -> float
         torch.empty(0, dtype=engine.config.torch_dtype).element_size()
     mean_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weights + batch * mean_ctx * kv_per_token
-    return batch / (step_bytes / (bandwidth / 2))  # a copy moves 2 bytes per byte read
+    return batch / (step_bytes / bandwidth)  # ANCHORS.md convention: copy bytes read + written
 
 
 def main() -> None:

@@ -21,22 +21,32 @@ def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Seq
     ext_t = torch.tensor(ext, dtype=torch.int64)
     prefix_t = torch.tensor(prefix_lens, dtype=torch.int64)
     rows_t = torch.tensor(rows, dtype=torch.int64)
-    token_rows = torch.repeat_interleave(rows_t, ext_t)
-    starts = torch.cumsum(ext_t, 0) - ext_t
-    offsets = torch.arange(int(ext_t.sum())) - torch.repeat_interleave(starts, ext_t)
-    positions = torch.repeat_interleave(prefix_t, ext_t) + offsets
+    if mode.is_decode:  # one token per request: no ragged bookkeeping
+        token_rows, positions = rows_t, prefix_t
+    else:
+        token_rows = torch.repeat_interleave(rows_t, ext_t)
+        starts = torch.cumsum(ext_t, 0) - ext_t
+        offsets = torch.arange(int(ext_t.sum())) - torch.repeat_interleave(starts, ext_t)
+        positions = torch.repeat_interleave(prefix_t, ext_t) + offsets
     slots = allocator.alloc_slots(token_rows, positions)
     if slots is None:
         return None
     seq_lens = [p + e for p, e in zip(prefix_lens, ext)]
-    flat = list(itertools.chain.from_iterable(new_tokens))
-    to = dict(device=device, non_blocking=True)
+    flat = torch.tensor(list(itertools.chain.from_iterable(new_tokens)), dtype=torch.int64)
+    per_token = (flat, positions, slots, token_rows)
+    per_req = (rows_t, torch.tensor(seq_lens, dtype=torch.int64), ext_t, prefix_t)
+    ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = _to_device(per_token + per_req, device)
     return ForwardBatch(
-        forward_mode=mode, batch_size=len(rows),
-        input_ids=torch.tensor(flat, dtype=torch.int64).to(**to),
-        positions=positions.to(**to), req_pool_indices=rows_t.to(**to),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(**to), out_cache_loc=slots.to(**to),
+        forward_mode=mode, batch_size=len(rows), input_ids=ids, positions=pos,
+        req_pool_indices=req_rows, seq_lens=lens, out_cache_loc=loc,
         seq_lens_cpu=seq_lens, extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=list(prefix_lens),
-        extend_seq_lens=ext_t.to(**to), extend_prefix_lens=prefix_t.to(**to),
-        token_req_pool_indices=token_rows.to(**to), sampling_info=sampling_info,
-        return_all_logits=return_all_logits)
+        extend_seq_lens=ext_d, extend_prefix_lens=prefix_d, token_req_pool_indices=tok_rows,
+        sampling_info=sampling_info, return_all_logits=return_all_logits)
+
+
+def _to_device(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """One host-to-device copy for all of a step's int64 metadata, split into views there."""
+    if device.type == "cpu":
+        return list(parts)
+    packed = torch.cat(parts).pin_memory().to(device, non_blocking=True)
+    return list(packed.split([p.numel() for p in parts]))

@@ -171,6 +171,7 @@ class EngineConfig:
     check_finite: bool = False  # weight updates: reject NaN/inf tensors
     pause_mode: str = "retract"
     show_progress: bool = False
+    load_format: str = "auto"  # "auto": the safetensors checkpoint; "dummy": random (benchmarks)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,6 +194,8 @@ class EngineConfig:
                               f"got {self.attention_backend!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.cuda_graph_batch_sizes is not None:

@@ -5,11 +5,20 @@ can hold several engines and a test can build a sharded layer without any distri
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from rollout.errors import DistributedInitError
+
+LOOPBACK = "127.0.0.1"
+# The metadata group waits as long as the leader is idle (between generate calls, during
+# training), so its timeout is far longer than the activation group's.
+METADATA_TIMEOUT = timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over the ranks (over the CPU group): every rank gets the same."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
     def shard_range(self, full: int) -> tuple[int, int]:
         """(start, length) of this rank's even share of `full` items."""
         if full % self.size:
@@ -48,3 +65,48 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that is free on `host` now (the OS picks it; the leader calls this)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tcp_init_method(port: int, host: str = LOOPBACK) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def default_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_tp_group(rank: int, size: int, init_method: str, backend: str = "gloo",
+                  timeout: timedelta = timedelta(seconds=120)) -> TPGroup:
+    """Join the tensor-parallel world of this process: the default process group (`backend`,
+    carries activations) plus a gloo group for the leader's batch metadata.
+
+    Every rank must call this with the same `init_method` (the leader's `tcp://host:port`).
+    A peer that does not arrive within `timeout` raises DistributedInitError (never a hang).
+    A weight-sync group, if any, is created later with its own store and is not touched here."""
+    if dist.is_initialized():
+        raise DistributedInitError("this process already has a default process group; "
+                                   "one TP shard per process")
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timeout)
+        cpu_group = dist.new_group(backend="gloo", timeout=METADATA_TIMEOUT)
+    except Exception as e:  # DistStoreError / DistNetworkError / RuntimeError from c10d
+        destroy_tp_group()
+        raise DistributedInitError(
+            f"TP rank {rank}/{size}: rendezvous at {init_method} ({backend}) failed within "
+            f"{timeout.total_seconds():.0f}s: {e}. Check that all {size} ranks started and can "
+            "reach the leader's port.") from e
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def destroy_tp_group() -> None:
+    """Leave the TP world (no-op if this process has none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

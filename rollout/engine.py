@@ -8,6 +8,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
+from rollout.engine_weights import EngineWeightsMixin
 from rollout.errors import EngineNotReadyError, InvalidRequestError
 from rollout.forward_batch import ForwardBatch
 from rollout.kv_allocator import KVAllocator
@@ -18,11 +19,13 @@ from rollout.request import Request
 from rollout.request_builder import ParamsArg, Prompt, PromptLimits, RequestBuilder, optional_tokenizer
 from rollout.sampler import SampleOutput
 from rollout.scheduler import Scheduler, SchedulerLimits
+from rollout.step_gate import StepGate
+from weight_sync.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineWeightsMixin):
     def __init__(self, config: Optional[EngineConfig] = None, *, tp: TPGroup = SINGLE, **overrides: Any):
         config = config or EngineConfig(**overrides)
         if config.model_path is None:
@@ -37,7 +40,8 @@ class Engine:
                               self.runner.num_token_slots - 1)
         self._requests = RequestBuilder(limits, self.tokenizer, config.seed)
         self._lock = threading.Lock()
-        self._not_ready_reason: Optional[str] = None
+        self.gate = StepGate()
+        self.updater = WeightUpdater(self.runner, check_finite=config.check_finite)
 
     def _make_scheduler(self) -> Scheduler:
         r, mc = self.runner, self.model_config
@@ -45,10 +49,6 @@ class Engine:
         limits = SchedulerLimits(self.config.max_running_requests, self.config.max_prefill_tokens,
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
         return Scheduler(alloc, limits, self.run_batch, r.device)
-
-    @property
-    def weight_version(self) -> int:
-        return self.scheduler.weight_version
 
     @property
     def stats(self):
@@ -86,8 +86,10 @@ class Engine:
             for r in reqs:
                 self.scheduler.add(r)
             with progress_bar(len(reqs), show) as bar:
-                while self.scheduler.has_work:
-                    for req in self.scheduler.step():
+                while self.scheduler.has_work or self.scheduler.finished_pending:
+                    with self.gate.step():
+                        finished = self.scheduler.step()
+                    for req in finished:
                         bar.update(1)
                         yield self._output(req)
 
@@ -99,8 +101,8 @@ class Engine:
         return self.scheduler.abort(rid) is not None
 
     def _check_ready(self) -> None:
-        if self._not_ready_reason is not None:
-            raise EngineNotReadyError(self._not_ready_reason)
+        if self.updater.incomplete_reason is not None:
+            raise EngineNotReadyError(self.updater.incomplete_reason)
 
     def shutdown(self) -> None:
         self.scheduler.abort_all()

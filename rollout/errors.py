@@ -1,4 +1,5 @@
 """Typed errors. Each one says what was wrong and, where it helps, what to do about it."""
+from weight_sync.errors import WeightUpdateError  # noqa: F401  (re-exported: rollout.WeightUpdateError)
 
 
 class RolloutError(Exception):
@@ -21,9 +22,9 @@ class KVCacheBudgetError(RolloutError):
     """The KV cache cannot hold even one request of the asked size."""
 
 
-class WeightUpdateError(RolloutError):
-    """A weight update was rejected (validation) or did not complete (transfer failure)."""
-
-
 class EngineNotReadyError(RolloutError):
     """The engine refuses to generate: weights are incomplete or memory is released."""
+
+
+class DistributedInitError(RolloutError):
+    """A tensor-parallel process group could not be set up (rendezvous timed out or failed)."""

@@ -13,11 +13,15 @@ class KVAllocator:
         self.capacity = num_token_slots - 1
         self._free_rows = list(range(num_req_slots - 1, -1, -1))
         self._free_slots = torch.arange(1, num_token_slots, dtype=torch.int64)
+        # Freed slots wait here and join _free_slots only when it runs short: freeing is O(tokens
+        # freed), never a copy of the whole free list (millions of slots on a GPU).
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
         self.table = torch.zeros(num_req_slots, max_context, dtype=torch.int64)
 
     @property
     def num_free_slots(self) -> int:
-        return int(self._free_slots.numel())
+        return int(self._free_slots.numel()) + self._num_released
 
     @property
     def num_free_rows(self) -> int:
@@ -31,6 +35,9 @@ class KVAllocator:
         n = int(rows.numel())
         if n > self.num_free_slots:
             return None
+        if n > self._free_slots.numel():
+            self._free_slots = torch.cat([self._free_slots, *self._released])
+            self._released, self._num_released = [], 0
         slots, self._free_slots = self._free_slots[:n], self._free_slots[n:]
         self.table[rows, positions] = slots
         return slots
@@ -38,5 +45,6 @@ class KVAllocator:
     def free(self, row: int, num_tokens: int) -> None:
         """Give back the row and the slots of its first `num_tokens` tokens."""
         if num_tokens:
-            self._free_slots = torch.cat((self._free_slots, self.table[row, :num_tokens]))
+            self._released.append(self.table[row, :num_tokens].clone())  # the row is reused later
+            self._num_released += num_tokens
         self._free_rows.append(row)

@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, tp: TPGroup = SINGLE,
                  device: Optional[torch.device] = None):
         self.model_config, self.config, self.tp = model_config, config, tp
-        self.device = device or torch.device(config.device)
+        self.device = _resolve_device(device or torch.device(config.device))
         self.dtype = config.torch_dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -45,13 +45,27 @@ class ModelRunner:
         with _default_dtype(self.dtype), self.device:
             self.model = cls(self.model_config, self.tp)
         self.model.eval()
-        self.load_checkpoint(self.config.model_path)
+        if self.config.load_format == "dummy":
+            self.init_dummy_weights()
+        else:
+            self.load_checkpoint(self.config.model_path)
+
+    @torch.inference_mode()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights made on the device (benchmarks of large shapes: no checkpoint to write
+        or read). Norm weights are 1, the rest N(0, 0.02), as a freshly initialised model."""
+        gen = torch.Generator(self.device).manual_seed(seed)
+        for name, p in self.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=self.device) * 0.02)
 
     def load_checkpoint(self, model_path: str) -> None:
         files = loader.checkpoint_files(model_path)
         self.model.weight_table.validate(loader.read_specs(files), complete=True, exact_dtype=False)
         try:
-            self.model.load_weights(loader.iter_tensors(files))
+            self.model.load_weights(loader.iter_slices(files))
         except CheckpointError:
             raise
         except Exception as e:  # a shard that passed the header check but fails to read
@@ -65,6 +79,7 @@ class ModelRunner:
             bytes_per_token=per_token, tokens=cfg.kv_cache_tokens, budget_bytes=cfg.kv_cache_bytes,
             free_before_load=free_before, mem_fraction=cfg.mem_fraction,
             weights_bytes=self.weights_bytes(), preloaded_weights_bytes=cfg.preloaded_weights_bytes)
+        tokens = self.tp.min_int(tokens)  # all TP ranks hold the same KV slots (the leader's table)
         if tokens < 2:
             raise KVCacheBudgetError(f"KV budget holds {tokens} token(s); one request needs at least "
                                      f"2 ({per_token} B per token)")
@@ -124,6 +139,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return n
+
+
+def _resolve_device(device: torch.device) -> torch.device:
+    """'cuda' → 'cuda:N' (the current device), so set_device and graph capture get an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @contextlib.contextmanager

@@ -33,16 +33,13 @@ class RequestBuilder:
         self._next_rid = 0
 
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidRequestError("prompts must be a list of prompts (token-id lists or strings)")
-        if len(prompts) == 0:
-            raise InvalidRequestError("prompts is empty: give at least one prompt")
-        per_prompt = _params_list(params, len(prompts))
+        check_prompt_list(prompts)
+        per_prompt = params_list(params, len(prompts))
         ids = [self._encode(i, p) for i, p in enumerate(prompts)]
         return [req for i, (p, sp) in enumerate(zip(ids, per_prompt)) for req in self._expand(i, p, sp)]
 
     def _expand(self, index: int, prompt: list[int], sp: SamplingParams) -> list[Request]:
-        base = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        base = resolve_seed(sp, self._rng)
         out = []
         for k in range(sp.n):
             seed = base if sp.n == 1 else mix_seed(base, k)
@@ -87,7 +84,20 @@ def _as_ids(index: int, prompt: Any) -> list[int]:
     return list(prompt)
 
 
-def _params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
+def check_prompt_list(prompts: Any) -> None:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InvalidRequestError("prompts must be a list of prompts (token-id lists or strings)")
+    if len(prompts) == 0:
+        raise InvalidRequestError("prompts is empty: give at least one prompt")
+
+
+def resolve_seed(sp: SamplingParams, rng: random.Random) -> int:
+    """A prompt's base seed: its own, else the next draw of the engine's seeded stream (one
+    draw per such prompt, in prompt order; a RolloutController draws the same way)."""
+    return sp.seed if sp.seed is not None else rng.getrandbits(63)
+
+
+def params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, (SamplingParams, dict)):

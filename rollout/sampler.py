@@ -57,17 +57,22 @@ class SampleOutput:
     top_logprob_ids: Optional[torch.Tensor] = None  # [B, k]
 
 
-def filtered_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted (descending) probabilities with filtered entries zeroed, and their token ids."""
-    sorted_p, ids = probs.sort(dim=-1, descending=True)
+def keep_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> Optional[torch.Tensor]:
+    """[B, vocab] bool: the tokens that survive top-k → top-p → min-p (None: no row filters).
+
+    The survivors of each row are all tokens at or above one probability threshold, found on the
+    sorted row; sampling then runs over the vocabulary in its own order. So a row that does not
+    filter keeps everything and draws the same token whatever the rest of the batch asks for."""
+    if not info.needs_filter:
+        return None
+    sorted_p, _ = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
-    sorted_p = sorted_p.masked_fill(rank >= info.top_ks.view(-1, 1), 0.0)
-    mass = sorted_p.sum(-1, keepdim=True)
-    mass_before = (sorted_p.cumsum(-1) - sorted_p) / mass
-    sorted_p = sorted_p.masked_fill(mass_before >= info.top_ps.view(-1, 1), 0.0)
-    threshold = sorted_p[:, :1] * info.min_ps.view(-1, 1)
-    sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
-    return sorted_p, ids
+    kept = sorted_p.masked_fill(rank >= info.top_ks.view(-1, 1), 0.0)
+    mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
+    kept = kept.masked_fill(mass_before >= info.top_ps.view(-1, 1), 0.0)
+    kept = kept.masked_fill(kept < kept[:, :1] * info.min_ps.view(-1, 1), 0.0)
+    num_kept = (kept > 0).sum(-1, keepdim=True).clamp(min=1)
+    return probs >= sorted_p.gather(1, num_kept - 1)  # ties at the threshold survive together
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
@@ -83,14 +88,13 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
 
 
 def _draw(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    if info.needs_filter:
-        sorted_p, ids = filtered_probs(probs, info)
-    else:
-        sorted_p, ids = probs, None
-    cdf = sorted_p.double().cumsum(-1)
+    """Inverse CDF, in vocabulary order, of the filtered distribution at one uniform per row."""
+    mask = keep_mask(probs, info)
+    if mask is not None:
+        probs = probs * mask
+    cdf = probs.double().cumsum(-1)
     target = uniform_from(info.seeds, info.positions).view(-1, 1) * cdf[:, -1:]
     choice = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
-    # A draw that lands past the last kept entry (rounding) falls back to the last kept one.
-    last_kept = (sorted_p > 0).sum(-1, keepdim=True) - 1 if ids is not None else choice
-    choice = torch.minimum(choice, last_kept.clamp(min=0))
-    return choice.squeeze(1) if ids is None else ids.gather(1, choice).squeeze(1)
+    # u * total can round up to total (u within 2^-53 of 1): fall back to the likeliest survivor
+    landed = probs.gather(1, choice) > 0
+    return torch.where(landed, choice, probs.argmax(-1, keepdim=True)).squeeze(1)

@@ -51,6 +51,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.weight_version = 0
+        self._info_key: Optional[tuple[int, ...]] = None
+        self._info: Optional[SamplingBatchInfo] = None
+        self.finished_pending: list[Request] = []  # aborted between steps, returned by the next step
 
     @property
     def has_work(self) -> bool:
@@ -61,14 +64,15 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; return the requests that finished in it."""
+        """Run one batch; return the requests that finished in it (and any aborted before)."""
+        done, self.finished_pending = self.finished_pending, []
         batch = self._admit() or self._decode_batch()
         if batch is None:
-            return []
+            return done
         reqs, fb = batch
         out = self.run_batch(fb)
         self.stats.steps += 1
-        return self._apply(reqs, out)
+        return done + self._apply(reqs, out)
 
     def _admit(self) -> Optional[tuple[list[Request], ForwardBatch]]:
         picked, tokens = [], 0
@@ -103,17 +107,30 @@ class Scheduler:
         return reqs, fb
 
     def _build(self, mode: ForwardMode, reqs: Sequence[Request], tokens, prefix_lens) -> ForwardBatch:
-        info = SamplingBatchInfo.build([r.params for r in reqs], [r.seed for r in reqs],
-                                       [r.position for r in reqs], self.limits.vocab_size, self.device)
+        info = self._sampling_info(mode, reqs)
         fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device,
                          sampling_info=info)
         if fb is None:  # admission and retraction keep enough slots free; reaching here is a bug
             raise RuntimeError("KV slots ran out after the scheduler reserved them")
         return fb
 
+    def _sampling_info(self, mode: ForwardMode, reqs: Sequence[Request]) -> SamplingBatchInfo:
+        """Consecutive decodes of the same requests reuse the device tensors: each row's position
+        moves on by one, everything else stays."""
+        key = tuple(r.rid for r in reqs) if mode.is_decode else None
+        if key is not None and key == self._info_key:
+            self._info.positions += 1
+            return self._info
+        self._info = SamplingBatchInfo.build([r.params for r in reqs], [r.seed for r in reqs],
+                                             [r.position for r in reqs], self.limits.vocab_size,
+                                             self.device)
+        self._info_key = key
+        return self._info
+
     def _apply(self, reqs: list[Request], out: SampleOutput) -> list[Request]:
-        tokens = out.tokens.tolist()  # the step's one host-device synchronisation
-        logprobs = out.logprobs.tolist()
+        # the step's one device-to-host copy (token ids are exact in float64)
+        tokens, logprobs = torch.stack((out.tokens.double(), out.logprobs.double())).tolist()
+        tokens = [int(t) for t in tokens]
         tops = _top_lists(out, reqs)
         finished = []
         for i, req in enumerate(reqs):
@@ -159,12 +176,14 @@ class Scheduler:
             self.waiting.remove(req)
         req.finish_reason = "abort"
         self.stats.aborted += 1
+        self.finished_pending.append(req)
         return req
 
 
-def _top_lists(out: SampleOutput, reqs: list[Request]) -> Optional[list[list[tuple[int, float]]]]:
+def _top_lists(out: SampleOutput, reqs: list[Request]) -> Optional[list[Optional[list[tuple[int, float]]]]]:
     if out.top_logprob_ids is None:
         return None
     ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
+    # None for rows that asked for none, whatever the batch: their top_logprobs stay [].
     return [list(zip(ids[i][:r.params.logprobs], vals[i][:r.params.logprobs]))
-            for i, r in enumerate(reqs)]
+            if r.params.logprobs else None for i, r in enumerate(reqs)]

@@ -34,6 +34,7 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     init_std: float = 0.05
     seed: int = 0
+    dtype: str = "float32"  # of the saved tensors
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -54,7 +55,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), 
     (out / "config.json").write_text(json.dumps(hf_config_dict(spec), indent=2))
     eos = {"eos_token_id": 257, "bos_token_id": 256}
     (out / "generation_config.json").write_text(json.dumps(eos, indent=2))
-    write_safetensors(out, dict(random_state_dict(spec)), num_shards)
+    dtype = getattr(torch, spec.dtype)
+    write_safetensors(out, {n: t.to(dtype) for n, t in random_state_dict(spec)}, num_shards)
     if with_tokenizer:
         write_byte_tokenizer(out)
     return out
@@ -79,7 +81,7 @@ def hf_config_dict(spec: TinyModelSpec) -> dict:
         "bos_token_id": 256,
         "eos_token_id": 257,
         "pad_token_id": 258,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.dtype,
         "attention_dropout": 0.0,
     }
     if spec.architecture == "LlamaForCausalLM":

@@ -5,6 +5,7 @@ import torch
 
 from rollout.batch_builder import build_batch
 from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardMode
 from rollout.kv_allocator import KVAllocator
 from rollout.model_runner import ModelRunner
@@ -25,10 +26,10 @@ class RunnerDriver:
     """Drives a ModelRunner the way the scheduler does, without sampling: prefill a ragged
     batch, then decode with caller-chosen tokens."""
 
-    def __init__(self, path: str, **cfg):
+    def __init__(self, path: str, tp: TPGroup = SINGLE, **cfg):
         cfg.setdefault("kv_cache_tokens", 4096)
         self.config = EngineConfig(model_path=path, **cfg)
-        self.runner = ModelRunner(ModelConfig.from_pretrained(path), self.config)
+        self.runner = ModelRunner(ModelConfig.from_pretrained(path), self.config, tp)
         self.alloc = KVAllocator(self.config.max_running_requests + 1, self.runner.num_token_slots,
                                  self.runner.max_context_len)
         self.rows: list[int] = []
@@ -39,10 +40,14 @@ class RunnerDriver:
         fb = build_batch(ForwardMode.EXTEND, self.rows, prompts, [0] * len(prompts), self.alloc,
                          self.runner.device)
         self.lens = [len(p) for p in prompts]
-        return self.runner.forward(fb)
+        return self.forward(fb)
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         fb = build_batch(ForwardMode.DECODE, self.rows, [[t] for t in tokens], self.lens,
                          self.alloc, self.runner.device)
         self.lens = [n + 1 for n in self.lens]
+        return self.forward(fb)
+
+    def forward(self, fb) -> torch.Tensor:
+        """The one place a batch reaches the runner (a TP leader's driver announces it first)."""
         return self.runner.forward(fb)

@@ -70,3 +70,14 @@ def test_greedy_rows_take_argmax_and_report_t1_logprob():
     assert out.tokens[0] == logits[0].argmax() and out.tokens[2] == logits[2].argmax()
     assert torch.allclose(out.logprobs[0], torch.log_softmax(logits[0], -1)[out.tokens[0]])
     assert torch.allclose(out.logprobs[1], torch.log_softmax(logits[1] / 0.5, -1)[out.tokens[1]])
+
+
+def test_unfiltered_rows_draw_the_same_whatever_the_other_rows_filter():
+    """Batch invariance: a plain row's draw must not change when a top-k row joins the batch."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)).expand(200, VOCAB)
+    plain = [SamplingParams(temperature=1.0)] * 200
+    cpu = torch.device("cpu")
+    alone = sample(logits.contiguous(), SamplingBatchInfo.build(plain, range(200), [5] * 200, VOCAB, cpu))
+    mixed_logits = torch.cat((logits, logits[:1])).contiguous()
+    info = SamplingBatchInfo.build(plain + [SamplingParams(top_k=3)], range(201), [5] * 201, VOCAB, cpu)
+    assert torch.equal(sample(mixed_logits, info).tokens[:200], alone.tokens)

@@ -1,5 +1,11 @@
-"""RMSNorm computed exactly as Hugging Face does (in float32, weight applied in input dtype)."""
+"""RMSNorm computed exactly as Hugging Face does (in float32, weight applied in input dtype).
+
+`forward(x, residual)` also adds the residual stream first (SGLang's layout: returns the normed
+sum and the sum itself). CUDA tensors go through the fused Triton kernels of `triton_ops`
+(imported on first use); the CPU path is plain torch, the HF reference."""
 from __future__ import annotations
+
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -13,7 +19,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = make_param((size,), replicated_loader, {None: (size,)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if x.is_cuda:
+            from rollout.layers import triton_ops
+            if residual is None:
+                return triton_ops.rms_norm(x, self.weight, self.eps)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same math as below when nothing is cast
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -18,8 +18,11 @@ def make_param(shape: tuple[int, ...], loader: Callable[..., None], full_shapes:
     return param
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """In place, so anything holding `dst` (captured CUDA graphs, views) sees the new values."""
+def copy_into(dst: torch.Tensor, src: Any) -> None:
+    """In place, so anything holding `dst` (captured CUDA graphs, views) sees the new values.
+    `src` is a tensor or a lazy checkpoint slice (weight_sync.disk.LazySlice)."""
+    if not isinstance(src, torch.Tensor):
+        src = src.materialize()
     dst.copy_(src.to(device=dst.device, dtype=dst.dtype), non_blocking=True)
 
 

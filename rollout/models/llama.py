@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags), tensor-parallel ready."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -33,9 +35,18 @@ class DecoderAttention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
                                          self.qkv_proj.kv_size], dim=-1)
         qk = qk.view(n, self.heads + self.kv_heads, d)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])), dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads together: one rotation per layer
+        if qk.is_cuda:  # fused Triton kernels, in place on the fresh qkv_proj output
+            from rollout.layers import triton_ops
+            if self.q_norm is not None:
+                for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
+                                       (self.q_norm, self.k_norm)):
+                    triton_ops.rms_norm(heads, norm.weight, norm.eps, out=heads)
+            triton_ops.apply_rotary_inplace(qk, *rope)
+        else:
+            if self.q_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
+                               dim=1)
+            qk = apply_rotary(qk, *rope)  # q and k heads together: one rotation per layer
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v.view(n, self.kv_heads, d), fb))
 
@@ -49,7 +60,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from rollout.layers import triton_ops
+            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -62,9 +77,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                residual: Optional[torch.Tensor],
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's residual stream: returns (mlp output, residual) and each norm adds the
+        pending branch output to the residual first (one fused kernel on CUDA). The first layer
+        gets residual=None. The same sums as `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(rope, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -78,11 +102,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, h.dtype)
         for layer in self.layers:
-            h = layer(rope, h, fb)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual, fb)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

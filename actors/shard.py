@@ -1,0 +1,108 @@
+"""RolloutShard: the Ray actor that holds one tensor-parallel rank of one replica.
+
+Rank 0 (the leader) runs a TPLeaderEngine (Scheduler + its ModelRunner shard) and answers
+`generate`; ranks > 0 run a TPFollower loop in a background thread, so the actor stays free for
+control calls (status, shutdown, weight updates). Per step nothing goes through Ray: the leader
+broadcasts the batch metadata over the TP group's gloo CPU group (rollout/tp_worker.py)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from datetime import timedelta
+from typing import Any, Optional
+
+import ray
+import torch
+
+from rollout.config import EngineConfig
+from rollout.distributed import (LOOPBACK, default_backend, destroy_tp_group, free_port,
+                                 init_tp_group, tcp_init_method)
+from rollout.tp_worker import TPFollower, TPLeaderEngine
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutShard:
+    """One TP rank. Created by a Replica inside its placement group; wrapped with `ray.remote`
+    below (`RolloutShardActor`) so the class itself stays importable and testable."""
+
+    def __init__(self, config: EngineConfig, rank: int, tp_size: int):
+        if not config.is_cuda:
+            torch.set_num_threads(1)  # one CPU per shard (its bundle)
+        # Ray gives this process exactly one GPU, visible as cuda:0.
+        self.config = dataclasses.replace(config, device="cuda") if config.is_cuda else config
+        self.rank, self.tp_size = rank, tp_size
+        self.engine: Optional[TPLeaderEngine] = None
+        self.follower: Optional[TPFollower] = None
+        self._thread: Optional[threading.Thread] = None
+        self._follower_error: Optional[str] = None
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def pick_init_method(self) -> str:
+        """Leader only: a rendezvous address on a free port of this node (the TP group never
+        leaves this node, so the loopback address serves every rank)."""
+        return tcp_init_method(free_port(LOOPBACK), LOOPBACK)
+
+    def setup(self, init_method: str, timeout_s: float) -> int:
+        """Join the TP group and build this rank's shard. Returns the rank when ready."""
+        tp = init_tp_group(self.rank, self.tp_size, init_method,
+                           default_backend(self.config.device), timedelta(seconds=timeout_s))
+        if tp.is_leader:
+            self.engine = TPLeaderEngine(self.config, tp)
+        else:
+            self.follower = TPFollower(self.config, tp)
+            self._thread = threading.Thread(target=self._serve, name=f"tp-follower-{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+        return self.rank
+
+    def _serve(self) -> None:
+        try:
+            self.follower.run()
+        except Exception as e:  # the leader died or a collective failed: keep it for status()
+            self._follower_error = f"{type(e).__name__}: {e}"
+            logger.exception("TP follower rank %d stopped", self.rank)
+
+    # ---- work (leader) ----------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, **kw: Any):
+        return self._leader().generate(prompts, sampling_params, **kw)
+
+    def max_len(self) -> int:
+        return self._leader().max_len
+
+    def _leader(self) -> TPLeaderEngine:
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} is not a TP leader (or is not set up)")
+        return self.engine
+
+    # ---- control ----------------------------------------------------------------------------
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "node_id": self.node_id()}
+        if self.engine is not None:
+            out.update(weight_version=self.engine.weight_version,
+                       stats=dataclasses.asdict(self.engine.stats))
+        if self.follower is not None:
+            out.update(steps=self.follower.steps, serving=self._thread.is_alive(),
+                       error=self._follower_error)
+        return out
+
+    def shutdown(self) -> None:
+        """Leader: stop the followers' loops, then free the shard. Followers: wait for the loop
+        to end (the leader's StopMessage), then leave the group."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+            if self._thread.is_alive():  # still inside a collective: leave it to ray.kill
+                return
+        self.follower = None
+        destroy_tp_group()
+
+
+# A threaded actor: status()/shutdown() and weight updates run while generate() is busy.
+RolloutShardActor = ray.remote(max_concurrency=4)(RolloutShard)

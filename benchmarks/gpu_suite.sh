@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call runs one or more stages; each stage has its own timeout and writes its log and
+# JSON under $OUT. Usage (on the device machine, from the repo root):
+#   bash benchmarks/gpu_suite.sh smoke decode ...
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc"
+  tail -n 25 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
+    smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py -p no:cacheprovider ;;
+    decode) run decode 480 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out "$OUT/decode.json" ;;
+    profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
+    decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \
+              --repeats 1 --skip-hf --out "$OUT/decode_quick.json" ;;
+    *) if [ -f "benchmarks/gpu_$stage.py" ]; then
+         run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
+       else echo "unknown stage $stage"; fi ;;
+  esac
+done

@@ -1,0 +1,105 @@
+"""Triton attention backend (GPU default): the kernels of `triton_kernels` over the paged KV cache.
+
+Metadata is built once per batch by `init_forward_metadata` and read by every layer. Decode
+supports CUDA graphs: `init_cuda_graph_state` allocates static metadata buffers for the largest
+graph batch, and the capture/replay hooks fill them in place, so a captured graph keeps reading
+the same addresses. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.attention.triton_kernels.decode import decode_attention, decode_buffers
+from rollout.attention.triton_kernels.extend import extend_attention
+
+if TYPE_CHECKING:
+    from rollout.forward_batch import ForwardBatch
+    from rollout.layers.attention import Attention
+
+
+@dataclass
+class DecodeMetadata:
+    req_pool_indices: torch.Tensor  # [bs] request row of each query
+    seq_lens: torch.Tensor  # [bs] keys per request, the new token included
+    part_o: torch.Tensor  # [bs, heads, splits, head_dim] fp32 scratch, shared by all layers
+    part_lse: torch.Tensor  # [bs, heads, splits] fp32 scratch
+
+
+@dataclass
+class ExtendMetadata:
+    req_pool_indices: torch.Tensor  # [bs]
+    extend_start_loc: torch.Tensor  # [bs] first row of each request in the flat q
+    extend_seq_lens: torch.Tensor  # [bs]
+    extend_prefix_lens: torch.Tensor  # [bs]
+    max_extend_len: int  # host int: sizes the launch grid
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, runner) -> None:
+        mc = runner.model_config
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        self.num_heads = mc.num_attention_heads // runner.tp.size
+        self.head_dim = mc.head_dim
+        self.device = runner.device
+        # A constant, so the decode grid depends on the batch size only (CUDA graphs). The
+        # interpreter runs one program at a time, where extra splits only cost time.
+        self.num_kv_splits = 8 if self.device.type == "cuda" else 2
+        self.meta: DecodeMetadata | ExtendMetadata | None = None
+        self.graph_meta: Optional[DecodeMetadata] = None  # static buffers for max_bs
+
+    # ---- per-batch metadata ---------------------------------------------------------------
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if fb.forward_mode.is_decode:
+            bufs = decode_buffers(fb.batch_size, self.num_heads, self.head_dim, self.num_kv_splits,
+                                  self.device)
+            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, *bufs)
+        else:
+            self.meta = self._extend_metadata(fb)
+
+    def _extend_metadata(self, fb: "ForwardBatch") -> ExtendMetadata:
+        ext, prefix = fb.extend_seq_lens, fb.extend_prefix_lens
+        if ext is None:  # built by hand without the device copies: make them once here
+            ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=self.device)
+        if prefix is None:
+            prefix = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=self.device)
+        start = torch.cumsum(ext, 0) - ext
+        return ExtendMetadata(fb.req_pool_indices, start, ext, prefix, fb.max_extend_len)
+
+    # ---- attention ------------------------------------------------------------------------
+    def forward_extend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        m, pool = self.meta, fb.token_to_kv_pool
+        return extend_attention(
+            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
+            m.req_pool_indices, m.extend_start_loc, m.extend_seq_lens, m.extend_prefix_lens,
+            m.max_extend_len, layer.scaling)
+
+    def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        m, pool = self.meta, fb.token_to_kv_pool
+        return decode_attention(
+            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
+            m.req_pool_indices, m.seq_lens, layer.scaling, self.num_kv_splits,
+            buffers=(m.part_o, m.part_lse))
+
+    # ---- CUDA graphs (decode only) ----------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Static metadata for graphs of up to `max_bs` requests; graph of size bs reads [:bs]."""
+        rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)  # >= 1: kernel contract
+        bufs = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits, self.device)
+        self.graph_meta = DecodeMetadata(rows, lens, *bufs)
+
+    def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
+        self.init_forward_metadata_replay(fb)
+
+    def init_forward_metadata_replay(self, fb: "ForwardBatch") -> None:
+        """Copy fb's (already padded) decode metadata into the static buffers, in place."""
+        if self.graph_meta is None:
+            raise RuntimeError("init_cuda_graph_state must be called before capturing graphs")
+        g, bs = self.graph_meta, fb.batch_size
+        g.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        g.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self.meta = DecodeMetadata(g.req_pool_indices[:bs], g.seq_lens[:bs], g.part_o[:bs],
+                                   g.part_lse[:bs])

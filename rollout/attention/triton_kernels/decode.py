@@ -1,0 +1,142 @@
+"""Split-KV decode attention over the paged KV cache (one new query token per request).
+
+Stage 1: one program per (request, KV head, KV split) scores the query heads of that KV head
+(GQA group, padded to BLOCK_H rows so they share one tl.dot and one read of K/V) against its
+share of the request's keys, and leaves a normalised partial output plus its log-sum-exp.
+Stage 2: one program per (request, head) merges the splits. Splitting the keys keeps the GPU
+busy when the batch is small and the sequences long; the number of splits is a constant, so
+the launch grid depends on the batch size only (what a CUDA graph needs).
+
+Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
+
+BLOCK_N = 32  # keys per inner step
+MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start < end:  # short sequences leave the last splits empty; stage 2 skips them
+        offs_g = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_g
+        h_mask = offs_g < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            # int64: slot * stride can pass 2**31 in a large pool
+            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
+            k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                          mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartO, PartLse, SeqLens, O,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        # empty splits were never written (garbage, maybe NaN): they must weigh exactly 0
+        valid = split * split_len < seq_len
+        lse = tl.load(PartLse + b * stride_lb + head * stride_lh + split, mask=valid,
+                      other=float("-inf"))
+        part = tl.load(PartO + b * stride_pb + head * stride_ph + split * stride_ps + offs_d,
+                       mask=d_mask, other=0.0)
+        part = tl.where(valid, part, 0.0)  # not `valid & d_mask`: the interpreter mistypes it
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha + w * part
+        l_i = l_i * alpha + w
+        m_i = m_new
+    tl.store(O + b * stride_ob + head * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty),
+             mask=d_mask)
+
+
+def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the partial results: out [batch, heads, splits, head_dim] and lse
+    [batch, heads, splits], float32. Allocate once per batch (or once for a CUDA graph)."""
+    part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, sm_scale: float, num_splits: int = 8,
+                     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
+    [batch, heads, head_dim] in q's dtype. `buffers` from `decode_buffers` (made here if None)."""
+    group = check_kv(q, k_buffer, v_buffer)
+    batch, heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
+    block_d = block_dmodel(head_dim)
+    _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=4)
+    _decode_reduce_kernel[(batch, heads)](
+        part_o, part_lse, seq_lens, out,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)
+    return out

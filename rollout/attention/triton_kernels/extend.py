@@ -1,0 +1,103 @@
+"""Extend (prefill) attention over the paged KV cache.
+
+Request b computes extend_seq_lens[b] new tokens after extend_prefix_lens[b] cached ones; its
+queries sit at rows extend_start_loc[b]... of the flat q. The new tokens' KV is already in the
+pool (the backend writes it before attending), so every key, prefix or new, is read through
+req_to_token, and new token i (absolute position prefix + i) sees keys 0..prefix + i.
+
+One program per (request, head, block of BLOCK_M new tokens), flash-attention style online
+softmax over blocks of BLOCK_N keys; programs past a request's last block exit at once, so the
+grid can be sized by the longest extend in the batch."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, ReqToToken, ReqPoolIdx, StartLoc, ExtLens, PrefixLens, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    ext_len = tl.load(ExtLens + b).to(tl.int32)
+    if m_block * BLOCK_M < ext_len:
+        kv_head = head // GROUP
+        prefix = tl.load(PrefixLens + b).to(tl.int32)
+        q_start = tl.load(StartLoc + b).to(tl.int64)
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < ext_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q_rows = q_start + offs_m
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q_pos = prefix + offs_m  # absolute position of each query token
+        kv_end = prefix + tl.minimum((m_block + 1) * BLOCK_M, ext_len)  # causal: nothing later
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < kv_end
+            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
+            k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                          mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+            allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+            # key 0 is allowed for every query, so m_new is finite from the first block on
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): smaller tiles for wide rows (big heads, fp32) so that the pipelined
+    K/V tiles still fit in shared memory."""
+    row_bytes = block_dmodel(head_dim) * torch.empty(0, dtype=dtype).element_size()
+    return (64, 64) if row_bytes <= 256 else (32, 32)
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor,
+                     extend_prefix_lens: torch.Tensor, max_extend_len: int, sm_scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [num_tokens, heads, head_dim] (the new tokens, request after request) →
+    [num_tokens, heads, head_dim] in q's dtype. `max_extend_len` (a host int) sizes the grid."""
+    group = check_kv(q, k_buffer, v_buffer)
+    num_tokens, heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    batch = req_pool_indices.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_m, block_n = extend_blocks(head_dim, q.dtype)
+    grid = (batch, heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, extend_start_loc,
+        extend_seq_lens, extend_prefix_lens, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_dmodel(head_dim), BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=4 if head_dim <= 64 else 8)
+    return out

@@ -1,0 +1,135 @@
+"""Decode CUDA graphs: one graph per batch size (model forward + logits), replayed with padding.
+
+Every graph reads its inputs from one set of static buffers sized for the largest batch (a graph
+of size bs reads their first bs rows) and the attention backend's static metadata (its
+`init_cuda_graph_state` / `init_forward_metadata_capture` / `init_forward_metadata_replay`
+hooks). Graphs are captured largest first into one shared memory pool, so the smaller graphs
+reuse the largest one's memory.
+
+Padding: a batch of 5 replays the graph of 8. Padded rows decode token 0 at position 0 of
+request row 0 with seq_len 1 and write their KV to slot 0, the dummy slot nobody reads as a
+real token; they never touch req_to_token, which the ModelRunner writes from the real batch
+outside the graph. Their logits are dropped.
+
+Weights are updated in place (`copy_`), so the graphs stay valid across weight updates."""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from rollout.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# what a padded row holds: token 0 at position 0 of request row 0, one key, KV into dummy slot 0
+PAD_VALUES = dict(input_ids=0, positions=0, req_pool_indices=0, seq_lens=1, out_cache_loc=0,
+                  token_req_pool_indices=0)
+
+
+@dataclass
+class GraphInputs:
+    """Static input buffers for the largest graph; each holds the padded-row value when idle."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    token_req_pool_indices: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_bs: int, device: torch.device) -> "GraphInputs":
+        return cls(**{name: torch.full((max_bs,), value, dtype=torch.int64, device=device)
+                      for name, value in PAD_VALUES.items()})
+
+    def fill(self, fb: ForwardBatch, graph_bs: int) -> None:
+        """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values."""
+        bs = fb.batch_size
+        for name, value in PAD_VALUES.items():
+            buf = getattr(self, name)
+            buf[:bs].copy_(getattr(fb, name), non_blocking=True)
+            if graph_bs > bs:
+                buf[bs:graph_bs].fill_(value)
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner"):
+        self.model_runner = model_runner
+        self.backend = model_runner.attn_backend
+        cfg = model_runner.config
+        # clipped, not dropped: with max_running_requests=5, the graph of 8 becomes one of 5
+        self.batch_sizes = sorted({min(s, cfg.max_running_requests) for s in cfg.graph_batch_sizes})
+        self.max_bs = self.batch_sizes[-1]
+        self.num_replays = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
+        try:
+            self.backend.init_cuda_graph_state(self.max_bs)
+        except NotImplementedError as e:
+            logger.warning("CUDA graphs disabled: %s (decode runs eagerly)", e)
+            return
+        self.capture()
+
+    # ---- capture --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.batch_sizes):  # largest first: the others fit in its pool
+            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _capture_one(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        fb = self._static_batch(bs, [1] * bs)
+        self.backend.init_forward_metadata_capture(fb)
+        # warm up outside the graph (Triton compiles, cuBLAS picks kernels) on a side stream,
+        # as torch.cuda.graph requires
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self._forward(fb)
+        return graph, out
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        model = self.model_runner.model
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb), fb)
+
+    def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        """A DECODE batch of bs rows whose tensors are views of the static buffers."""
+        b, mr = self.inputs, self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs],
+            positions=b.positions[:bs], req_pool_indices=b.req_pool_indices[:bs],
+            seq_lens=b.seq_lens[:bs], out_cache_loc=b.out_cache_loc[:bs],
+            token_req_pool_indices=b.token_req_pool_indices[:bs], seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
+            req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
+            attn_backend=self.backend)
+
+    # ---- replay ---------------------------------------------------------------------------
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return bool(self.graphs) and fb.forward_mode.is_decode and 0 < fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [fb.batch_size, vocab] float32, as the eager forward would return them."""
+        bs = fb.batch_size
+        graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.inputs.fill(fb, graph_bs)
+        padded_lens = list(fb.seq_lens_cpu) + [1] * (graph_bs - bs)
+        self.backend.init_forward_metadata_replay(self._static_batch(graph_bs, padded_lens))
+        self.graphs[graph_bs].replay()
+        self.num_replays += 1
+        # a copy: the static output is overwritten by the next replay of any graph (shared pool)
+        return self.outputs[graph_bs][:bs].clone()

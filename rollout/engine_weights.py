@@ -1,0 +1,98 @@
+"""The Engine's weight-sync API (DESIGN.md §2 "Weight sync"): every path pauses generation at a
+step boundary, treats in-flight requests by `pause_mode`, loads through the shard's
+WeightUpdater, bumps the version, and resumes. A failed transfer aborts the in-flight requests
+(returned with the tokens they have) and leaves the engine refusing to generate."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from rollout.errors import ConfigError, WeightUpdateError
+from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
+from weight_sync.ipc import IpcHandle
+from weight_sync.process_group import GroupAddress
+from weight_sync.spec import TensorSpec
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineWeightsMixin:
+    """Mixed into Engine; uses its `updater`, `gate`, `scheduler` and `config`."""
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.weight_version
+
+    def check_weights_update(self, specs: Sequence[TensorSpec], allow_partial: bool = False) -> None:
+        """Validate an update's names/shapes/dtypes without touching anything (a sender calls
+        this before a broadcast, so a bad update fails before any byte moves)."""
+        self.updater.validate(list(specs), allow_partial)
+
+    def update_weights_from_tensor(self, weights: Union[NamedTensors, Sequence[Bucket]], *,
+                                   version: Optional[int] = None, allow_partial: bool = False,
+                                   pause_mode: Optional[str] = None) -> int:
+        """`weights`: (HF name, full tensor) pairs or packed Buckets. Returns the new version."""
+        weights = list(weights)
+        if weights and not isinstance(weights[0], Bucket):
+            weights = pack_buckets(weights, device=torch.device("cpu")) if weights else []
+        return self._update(lambda: self.updater.from_buckets(weights, allow_partial), version, pause_mode)
+
+    def update_weights_from_disk(self, path: Union[str, Path], *, version: Optional[int] = None,
+                                 allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        return self._update(lambda: self.updater.from_disk(path, allow_partial), version, pause_mode)
+
+    def update_weights_from_ipc(self, handles: Sequence[IpcHandle], *, version: Optional[int] = None,
+                                allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        return self._update(lambda: self.updater.from_ipc(handles, allow_partial), version, pause_mode)
+
+    @property
+    def num_weight_sync_ranks(self) -> int:
+        """Ranks this target adds to a weight-sync group (one per shard)."""
+        return 1
+
+    def init_weights_update_group(self, addr: GroupAddress, rank_offset: int = 1) -> None:
+        """Join the trainer's weight-sync group (the trainer is rank 0) as rank `rank_offset` —
+        a rendezvous: the trainer joins at the same time."""
+        self.updater.join_group(addr, rank_offset)
+
+    def destroy_weights_update_group(self) -> None:
+        self.updater.leave_group()
+
+    def update_weights_from_distributed(self, manifest: UpdateManifest, *, version: Optional[int] = None,
+                                        allow_partial: bool = False,
+                                        pause_mode: Optional[str] = None) -> int:
+        return self._update(lambda: self.updater.from_distributed(manifest, allow_partial), version,
+                            pause_mode)
+
+    # ---- pause → update → resume --------------------------------------------------------------
+    def _update(self, load: Callable[[], int], version: Optional[int], pause_mode: Optional[str]) -> int:
+        new_version = self.weight_version + 1 if version is None else int(version)
+        with self.paused(pause_mode):
+            try:
+                load()
+            except WeightUpdateError:
+                if self.updater.incomplete_reason is not None:
+                    self.scheduler.abort_all()  # never serve a mix of two versions
+                raise
+            self.scheduler.weight_version = new_version
+        return new_version
+
+    @contextlib.contextmanager
+    def paused(self, pause_mode: Optional[str] = None) -> Iterator[None]:
+        """Stop generation at a step boundary; in-flight requests are aborted, retracted (KV
+        recomputed later under the new weights) or kept (`in_place`) by `pause_mode`."""
+        mode = pause_mode or self.config.pause_mode
+        if mode not in ("abort", "retract", "in_place"):
+            raise ConfigError(f"pause_mode must be abort, retract or in_place, got {mode!r}")
+        self.gate.pause()
+        try:
+            if mode == "abort":
+                self.scheduler.abort_all()
+            elif mode == "retract":
+                self.scheduler.retract_all()
+            yield
+        finally:
+            self.gate.resume()

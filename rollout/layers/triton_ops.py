@@ -1,0 +1,227 @@
+"""Fused Triton kernels for the decoder's elementwise work, used on CUDA tensors only.
+
+A decode step at small batch is dominated by launches, not by math: unfused, every RMSNorm is
+a handful of kernels (cast, pow, mean, add, rsqrt, mul, cast, mul), and every residual add,
+rotary and SiLU gate several more. Here each is one kernel: `fused_add_rms_norm` (residual add +
+RMSNorm), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
+and `apply_rotary_inplace` (q and k heads together). The CPU path stays plain torch (the
+HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
+and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
+are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
+
+Rounding: each kernel repeats the roundings of the torch expression it replaces (bf16/fp16
+values are computed in fp32 and rounded, to nearest even, wherever torch rounds an intermediate
+tensor; no FMA contraction, as in torch's separate kernels):
+  * residual sum `x + residual`: fp32 add, one rounding: bitwise equal to torch.
+  * RMSNorm `weight * (x_f32 * rsqrt(mean(x_f32²) + eps)).to(dtype)`: the same ops (rsqrt is
+    libdevice's rsqrtf, as torch's CUDA rsqrt), but the mean is summed in another order than
+    torch's reduction and can differ in its last fp32 bits. Where that flips the rounding of
+    x·rsqrt (rare: the product must lie within a few fp32 ulps of a bf16 midpoint) the output
+    differs by ≤ 2 bf16 ulps (1 ulp before the weight product); every other element is exact.
+  * `silu(gate).to(dtype) * up`: on a GPU exp and division are libdevice's expf and IEEE
+    division, as in torch's CUDA silu, so results are meant to equal torch's bit for bit
+    (denormals aside: Triton flushes them). Under the CPU interpreter numpy's exp stands in for
+    expf and may differ in its last fp32 bit (≤ 2 bf16 ulps after rounding, if it flips one).
+  * rotary `cat(x1·cos − x2·sin, x2·cos + x1·sin)`: each product rounded, then the sum
+    rounded: bitwise equal to torch.
+In fp32 every op equals torch's up to the RMSNorm summation order (and, in the interpreter,
+numpy's exp).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+MAX_HIDDEN = 16384  # one program holds a whole row
+
+
+def _num_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
+    """fp32 x rounded to `dtype` (to nearest even, as torch casts) and returned as fp32."""
+    if COMPILED or dtype != tl.bfloat16:
+        return x.to(dtype).to(tl.float32)
+    else:  # the interpreter truncates fp32 -> bf16: round by hand (stores then truncate exactly)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+
+# ---- RMSNorm (optionally after the residual add) -------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    X, Residual, Weight, Out, ResidualOut, eps, inv_n,
+    stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, COMPILED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # rows are [outer, inner] pairs (inner: a head, or 1)
+    outer, inner = row // INNER, row % INNER
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + outer * stride_x0 + inner * stride_x1 + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the sum is rounded to the input dtype, and the norm reads the rounded sum
+        res = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
+        xf = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty, COMPILED)
+        tl.store(ResidualOut + row * N + offs, xf, mask=mask)
+    else:
+        xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) * inv_n
+    if COMPILED:
+        r = libdevice.rsqrt(var + eps)
+    else:  # the interpreter has no libdevice
+        r = tl.math.rsqrt(var + eps)
+    y = _round(xf * r, X.dtype.element_ty, COMPILED)
+    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + outer * stride_o0 + inner * stride_o1 + offs,
+             _round(y * w, Out.dtype.element_ty, COMPILED), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A [outer, inner, n] view of a [rows, n] or [rows, heads, n] tensor."""
+    if t.dim() not in (2, 3) or t.stride(-1) != 1:
+        raise ValueError(f"expected a [rows, n] or [rows, heads, n] tensor contiguous in its last "
+                         f"dim, got shape {tuple(t.shape)} strides {t.stride()}")
+    return t if t.dim() == 3 else t.unsqueeze(1)
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit rows of {n}")
+    if n > MAX_HIDDEN:
+        raise ValueError(f"rows of {n} exceed MAX_HIDDEN={MAX_HIDDEN}")
+    if x.numel() == 0:
+        return
+    x3, o3 = _rows(x), _rows(out)
+    block = triton.next_power_of_2(n)
+    has_res = residual is not None
+    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
+        x3, residual if has_res else x3, weight, o3, residual_out if has_res else o3,
+        eps, 1.0 / n, x3.stride(0), x3.stride(1), residual.stride(0) if has_res else 0,
+        o3.stride(0), o3.stride(1), x3.shape[1],
+        N=n, BLOCK=block, HAS_RESIDUAL=has_res, COMPILED=_COMPILED,
+        num_warps=_num_warps(block), enable_fp_fusion=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """HF's RMSNorm over the last dim of x ([rows, n], or [rows, heads, n] for per-head norms;
+    strided rows are fine). `out` may be x itself (in place)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    elif out.shape != x.shape:
+        raise ValueError(f"out {tuple(out.shape)} does not match x {tuple(x.shape)}")
+    _launch_rms_norm(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for [rows, n] tensors of one dtype, one kernel."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must be [rows, n] of one dtype")
+    if residual.stride(-1) != 1:
+        raise ValueError("residual must be contiguous in its last dim")
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch_rms_norm(x, residual, weight, eps, out, new_residual)
+    return out, new_residual
+
+
+# ---- SiLU gate ------------------------------------------------------------------------------------
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if COMPILED:
+        e = libdevice.exp(-gate)  # expf, as torch's CUDA silu (tl.exp would be ex2.approx)
+    else:
+        e = tl.exp(-gate)
+    dt = X.dtype.element_ty
+    silu = _round(tl.math.div_rn(gate, 1.0 + e), dt, COMPILED)
+    tl.store(Out + row * I + offs, _round(silu * up, dt, COMPILED), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2·I] laid out [gate | up] → silu(gate) · up, [rows, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"expected [rows, 2·I] contiguous in its last dim, got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, COMPILED=_COMPILED,
+        num_warps=_num_warps(block), enable_fp_fusion=False)
+    return out
+
+
+# ---- rotary ---------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_kernel(
+    X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    mask = (offs_h < H)[:, None] & d_mask[None, :]
+    cos = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    p1 = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty  # every product is its own rounded tensor in torch
+    o1 = _round(_round(x1 * cos, dt, COMPILED) - _round(x2 * sin, dt, COMPILED), dt, COMPILED)
+    o2 = _round(_round(x2 * cos, dt, COMPILED) + _round(x1 * sin, dt, COMPILED), dt, COMPILED)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+
+
+def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
+    fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x."""
+    if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
+        raise ValueError(f"expected [T, heads, even head_dim] contiguous in head_dim, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    t, heads, half = x.shape[0], x.shape[1], x.shape[2] // 2
+    for c in (cos, sin):
+        if c.shape != (t, 1, half) or c.dtype != x.dtype or c.stride(2) != 1:
+            raise ValueError(f"cos/sin {tuple(c.shape)} {c.dtype} do not fit x {tuple(x.shape)} "
+                             f"{x.dtype}")
+    if x.numel() == 0:
+        return x
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_d))
+    _rotary_kernel[(t, triton.cdiv(heads, block_h))](
+        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads,
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
+        num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False)
+    return x
+
+
+def _is_compiled(kernel) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return not isinstance(kernel, InterpretedFunction)
+
+
+_COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
+
+__all__ = ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "apply_rotary_inplace", "MAX_HIDDEN"]

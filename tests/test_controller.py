@@ -1,0 +1,140 @@
+"""Spec for RolloutController on one machine (CPU, local Ray):
+
+- DP=2 × TP=1 and DP=1 × TP=2 return what the single-process Engine returns for the same
+  config and seeds: greedy, seeded sampling with n > 1, string prompts, and prompts without a
+  seed (the controller draws their seeds exactly as an Engine does).
+- All n samples of a prompt run on one replica; the async forms give the same outputs.
+- A tp_size that does not divide the heads, more bundles than the cluster has, or a placement
+  that cannot complete: a typed error, and nothing left in the cluster."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors import PlacementError, RolloutController
+from rollout import ConfigError, Engine, EngineConfig, InvalidRequestError, SamplingParams
+from tests.ray_helpers import live_objects, local_ray, wait_for_live_objects
+
+pytestmark = pytest.mark.ray
+
+ARCH = "Qwen3ForCausalLM"
+NUM_CPUS = 8  # two module controllers (4 shards) + room for a fresh pair in one test
+RAGGED = [[3, 14, 15], [92, 65, 35, 89, 79, 32, 38], [46], [26, 43, 38, 32, 79, 50, 28, 84, 19, 71],
+          "hello world", [93, 75, 10, 58, 20], [97, 49, 44, 59, 23, 7], [81, 64, 6, 28]]
+PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.0),
+          SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, n=3),
+          SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=5, logprobs=2),
+          SamplingParams(max_new_tokens=20, temperature=1.0, top_k=30, seed=7),
+          SamplingParams(max_new_tokens=10, temperature=0.0),
+          SamplingParams(max_new_tokens=14, temperature=1.0, seed=3, n=2),
+          SamplingParams(max_new_tokens=6, temperature=1.0, min_p=0.1, seed=2),
+          SamplingParams(max_new_tokens=18, temperature=0.7, seed=1)]
+
+
+def config(tiny_dirs, tp_size: int = 1) -> EngineConfig:
+    return EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096, tp_size=tp_size)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    with local_ray(NUM_CPUS):
+        yield
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dirs):
+    return Engine(config(tiny_dirs))
+
+
+@pytest.fixture(scope="module")
+def controllers(tiny_dirs, ray_session):
+    ctls = {"dp2": RolloutController(config(tiny_dirs), num_replicas=2),
+            "tp2": RolloutController(config(tiny_dirs, tp_size=2), num_replicas=1)}
+    yield ctls
+    for c in ctls.values():
+        c.shutdown()
+
+
+def assert_same(outs, refs, atol=1e-5):
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert (o.prompt_index, o.sample_index) == (r.prompt_index, r.sample_index)
+        assert o.prompt_token_ids == r.prompt_token_ids
+        assert o.token_ids == r.token_ids
+        assert torch.allclose(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=atol)
+        assert [[t for t, _ in s] for s in o.top_logprobs] == [[t for t, _ in s] for s in r.top_logprobs]
+        assert (o.finish_reason, o.weight_version, o.text) == (r.finish_reason, r.weight_version, r.text)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_outputs_equal_single_engine_for_same_seeds(controllers, engine, layout):
+    refs = engine.generate(RAGGED, PARAMS)
+    outs = controllers[layout].generate(RAGGED, PARAMS)
+    assert_same(outs, refs)
+    assert [o.prompt_index for o in outs] == [i for i, sp in enumerate(PARAMS) for _ in range(sp.n)]
+
+
+@pytest.mark.parametrize("tp_size,num_replicas", [(1, 2), (2, 1)])
+def test_seed_none_is_drawn_like_an_engine(tiny_dirs, ray_session, tp_size, num_replicas):
+    """Fresh controller and fresh Engine, same config seed: two calls in a row agree."""
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, n=2)
+    single = Engine(config(tiny_dirs))
+    with RolloutController(config(tiny_dirs, tp_size), num_replicas=num_replicas) as ctl:
+        for _ in range(2):
+            assert_same(ctl.generate(RAGGED[:5], sp), single.generate(RAGGED[:5], sp))
+
+
+def test_n_samples_of_a_prompt_stay_on_one_replica(controllers):
+    ctl = controllers["dp2"]
+    before = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
+    prompts = [RAGGED[1], RAGGED[3]]  # 7 and 10 tokens; idle replicas: prompt i → replica i
+    outs = ctl.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=1))
+    after = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
+    assert [a - b for a, b in zip(after, before)] == [3 * 7, 3 * 10]
+    assert [(o.prompt_index, o.sample_index) for o in outs] == [(i, k) for i in range(2) for k in range(3)]
+    assert all(r["alive"] and r["outstanding_work"] == 0 for r in ctl.status())
+
+
+def test_async_forms_equal_generate(controllers, engine):
+    ctl = controllers["dp2"]
+    sps = [SamplingParams(max_new_tokens=6, seed=i) for i in range(4)]
+    futures = [ctl.generate_async(RAGGED[:4], sps), ctl.generate_async(RAGGED[4:], sps)]
+    got = [f.result(timeout=60) for f in futures]
+    assert_same(got[0], engine.generate(RAGGED[:4], sps))
+    assert_same(got[1], engine.generate(RAGGED[4:], sps))
+    assert_same(asyncio.run(ctl.agenerate(RAGGED[:4], sps)), got[0])
+
+
+def test_invalid_requests_raise_the_engines_errors(controllers):
+    ctl = controllers["dp2"]
+    with pytest.raises(InvalidRequestError, match="unknown generate"):
+        ctl.generate([[1, 2]], bogus=1)
+    with pytest.raises(InvalidRequestError, match="outside"):  # found by the replica, typed here
+        ctl.generate([[1, 2], [1, 10**6]], SamplingParams(max_new_tokens=2))
+    assert all(r["outstanding_work"] == 0 for r in ctl.status())
+
+
+def test_bad_tp_size_fails_before_anything_is_created(tiny_dirs, ray_session):
+    before = live_objects()
+    with pytest.raises(ConfigError, match="tp_size=3 does not divide"):
+        RolloutController(config(tiny_dirs, tp_size=3), num_replicas=1)
+    assert live_objects() == before
+
+
+def test_more_bundles_than_the_cluster_has(tiny_dirs, ray_session):
+    before = live_objects()
+    with pytest.raises(PlacementError, match="room for 4 group"):
+        RolloutController(config(tiny_dirs, tp_size=2), num_replicas=5)  # 10 CPUs > 8
+    assert live_objects() == before
+
+
+def test_placement_that_cannot_complete_times_out_and_cleans_up(tiny_dirs, controllers):
+    """4 of 8 CPUs are held by the module's controllers: replicas 0-3 start, replica 4's
+    placement group times out, and everything made so far is destroyed."""
+    before = wait_for_live_objects(live_objects())
+    with pytest.raises(PlacementError, match="not placed within"):
+        RolloutController(config(tiny_dirs), num_replicas=5, placement_timeout_s=2.0)
+    assert wait_for_live_objects(before) == before
+    assert controllers["dp2"].generate([[1, 2]], SamplingParams(max_new_tokens=2))  # still serving

@@ -1,0 +1,288 @@
+"""Spec: the fused Triton ops of rollout/layers/triton_ops.py equal the torch expressions they
+replace on CUDA (HF's RMSNorm, the residual add, silu(gate) * up, rotary.apply_rotary).
+
+On CPU the kernels run under the Triton interpreter: fp32 within 1e-5 of the torch expression,
+bf16 bit for bit where triton_ops' docstring claims it (residual sums, rotary, RMSNorm given the
+same mean) and within its stated bound otherwise (RMSNorm: 2 bf16 ulps; silu_and_mul under the
+interpreter, whose exp is numpy's: 2 ulps). On a GPU (tests marked `gpu`): bf16 on model-sized
+shapes, silu_and_mul bit for bit, and the ops captured in a CUDA graph."""
+import contextlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
+    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from rollout.layers import triton_ops  # noqa: E402
+from rollout.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from tests.helpers import RunnerDriver  # noqa: E402
+from tests.test_model_parity import PROMPTS  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not isinstance(triton_ops._rms_norm_kernel, InterpretedFunction):
+    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
+                allow_module_level=True)
+
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
+
+
+# ---- references: the torch expressions the kernels replace -------------------------------------
+def ref_rms_norm(x, w):  # HF's LlamaRMSNorm
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def ref_silu_and_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps (representable values apart), elementwise."""
+    def ordered(t):
+        i = t.contiguous().view(torch.int16).int()
+        return torch.where(i < 0, -32768 - i, i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def check(out, ref, dtype, exact: bool, bound_ulps: int = 0):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if dtype == torch.float32:
+        assert (out - ref).abs().max().item() <= 1e-5
+    elif exact:
+        assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+    else:
+        dist = ulps(out, ref)
+        assert dist.max().item() <= bound_ulps, f"{dist.max().item()} ulps"
+        assert (dist > 0).float().mean().item() <= 0.01, f"{(dist > 0).sum().item()} differ"
+
+
+def rand(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(device=DEV, dtype=dtype)
+
+
+def qkv_views(rows, q_heads, kv_heads, head_dim, dtype, seed):
+    """qk [T, q+kv heads, D] as the model gets it: a strided view of a fused qkv output."""
+    qkv = rand(rows, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed)
+    qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(rows, q_heads + kv_heads, head_dim)
+    assert not qk.is_contiguous() or rows == 1
+    return qk
+
+
+def rope(rows, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (rows,), generator=gen).to(DEV)
+    return RotaryEmbedding(head_dim, 4096, 1e6).to(DEV).lookup(positions, dtype)
+
+
+# ---- CPU (interpreter) and GPU: small ragged shapes --------------------------------------------
+ROWS = [1, 3, 17]
+HIDDEN = [64, 96, 1536]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_fused_add_rms_norm(dtype, rows, hidden):
+    x, res = rand(rows, hidden, dtype=dtype, seed=rows), rand(rows, hidden, dtype=dtype, seed=99)
+    w = rand(hidden, dtype=dtype, seed=7, scale=0.3) + 1
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, w, EPS)
+    s = x + res
+    assert torch.equal(new_res, s)  # one fp32 add, one rounding: exact in every dtype
+    check(out, ref_rms_norm(s, w), dtype, exact=False, bound_ulps=2)
+    check(triton_ops.rms_norm(x, w, EPS), ref_rms_norm(x, w), dtype, exact=False, bound_ulps=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_per_head_in_place(dtype, rows):
+    """Qwen3's q/k norms: rows of head_dim in a strided [T, heads, D] view, written in place."""
+    qk = qkv_views(rows, 4, 2, 64, dtype, seed=rows)
+    w = rand(64, dtype=dtype, seed=5, scale=0.3) + 1
+    q, k = qk.split([4, 2], dim=1)
+    expected = torch.cat((ref_rms_norm(q, w), ref_rms_norm(k, 2 * w)), dim=1)
+    assert triton_ops.rms_norm(q, w, EPS, out=q) is q
+    triton_ops.rms_norm(k, 2 * w, EPS, out=k)
+    check(qk, expected, dtype, exact=False, bound_ulps=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", HIDDEN)
+def test_silu_and_mul(dtype, rows, inter):
+    gate_up = rand(rows, 2 * inter, dtype=dtype, seed=rows + inter)
+    exact_exp = DEV.type == "cuda"  # libdevice expf on a GPU; numpy's exp in the interpreter
+    check(triton_ops.silu_and_mul(gate_up), ref_silu_and_mul(gate_up), dtype,
+          exact=exact_exp, bound_ulps=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_rotary_in_place(dtype, rows, head_dim):
+    qk = qkv_views(rows, 4, 2, head_dim, dtype, seed=rows)
+    cos, sin = rope(rows, head_dim, dtype, seed=rows)
+    expected = apply_rotary(qk.clone(), cos, sin)
+    assert triton_ops.apply_rotary_inplace(qk, cos, sin) is qk
+    check(qk, expected, dtype, exact=True)
+
+
+def test_zero_rows_launch_nothing(monkeypatch):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched a kernel for 0 rows")
+    for name in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"):
+        monkeypatch.setattr(triton_ops, name, NoLaunch())
+    x, w = torch.empty(0, 64, device=DEV), torch.ones(64, device=DEV)
+    out, res = triton_ops.fused_add_rms_norm(x, x, w, EPS)
+    assert out.shape == res.shape == (0, 64)
+    assert triton_ops.rms_norm(x, w, EPS).shape == (0, 64)
+    assert triton_ops.silu_and_mul(torch.empty(0, 128, device=DEV)).shape == (0, 64)
+    qk, cs = torch.empty(0, 3, 64, device=DEV), torch.empty(0, 1, 32, device=DEV)
+    assert triton_ops.apply_rotary_inplace(qk, cs, cs).shape == (0, 3, 64)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="weight"):
+        triton_ops.rms_norm(torch.zeros(2, 64, device=DEV), torch.ones(32, device=DEV), EPS)
+    with pytest.raises(ValueError, match="MAX_HIDDEN"):
+        n = 2 * triton_ops.MAX_HIDDEN
+        triton_ops.rms_norm(torch.zeros(1, n, device=DEV), torch.ones(n, device=DEV), EPS)
+    with pytest.raises(ValueError, match="one dtype"):
+        x = torch.zeros(2, 64, device=DEV)
+        triton_ops.fused_add_rms_norm(x, x.bfloat16(), torch.ones(64, device=DEV), EPS)
+    with pytest.raises(ValueError, match="2·I"):
+        triton_ops.silu_and_mul(torch.zeros(2, 63, device=DEV))
+    with pytest.raises(ValueError, match="cos/sin"):
+        cs = torch.zeros(2, 1, 32, device=DEV)
+        triton_ops.apply_rotary_inplace(torch.zeros(2, 3, 64, device=DEV).bfloat16(), cs, cs)
+
+
+# ---- GPU: bf16 on model-sized shapes, and inside a CUDA graph ----------------------------------
+GPU_ROWS = [1, 7, 300, 2049]
+
+
+@gpu
+@pytest.mark.parametrize("rows", GPU_ROWS)
+@pytest.mark.parametrize("hidden", [1536, 3584, 5120, 8192])
+def test_gpu_bf16_add_rms_norm(rows, hidden):
+    x = rand(rows, hidden, dtype=torch.bfloat16, seed=1)
+    res = rand(rows, hidden, dtype=torch.bfloat16, seed=2)
+    w = rand(hidden, dtype=torch.bfloat16, seed=3, scale=0.3) + 1
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, w, EPS)
+    assert torch.equal(new_res, x + res)
+    check(out, ref_rms_norm(x + res, w), torch.bfloat16, exact=False, bound_ulps=2)
+
+
+@gpu
+@pytest.mark.parametrize("rows", GPU_ROWS)
+@pytest.mark.parametrize("heads", [(12, 2), (16, 8), (64, 8)])
+def test_gpu_bf16_qk_norm_and_rotary(rows, heads):
+    q_heads, kv_heads = heads
+    qk = qkv_views(rows, q_heads, kv_heads, 128, torch.bfloat16, seed=rows)
+    w = rand(128, dtype=torch.bfloat16, seed=4, scale=0.3) + 1
+    cos, sin = rope(rows, 128, torch.bfloat16, seed=rows)
+    expected = apply_rotary(ref_rms_norm(qk, w), cos, sin)
+    normed = ref_rms_norm(qk, w)
+    triton_ops.rms_norm(qk, w, EPS, out=qk)
+    check(qk, normed, torch.bfloat16, exact=False, bound_ulps=2)
+    qk.copy_(normed)
+    triton_ops.apply_rotary_inplace(qk, cos, sin)
+    assert torch.equal(qk, expected)
+
+
+@gpu
+@pytest.mark.parametrize("rows", GPU_ROWS)
+@pytest.mark.parametrize("inter", [8960, 18944])
+def test_gpu_bf16_silu_and_mul(rows, inter):
+    gate_up = rand(rows, 2 * inter, dtype=torch.bfloat16, seed=rows, scale=4.0)
+    check(triton_ops.silu_and_mul(gate_up), ref_silu_and_mul(gate_up), torch.bfloat16, exact=True)
+
+
+@gpu
+def test_gpu_ops_in_cuda_graph():
+    """Captured once, replayed on new data in the same buffers: equals eager."""
+    dt, rows, hidden, inter = torch.bfloat16, 8, 1536, 8960
+    x, res = rand(rows, hidden, dtype=dt, seed=1), rand(rows, hidden, dtype=dt, seed=2)
+    gate_up = rand(rows, 2 * inter, dtype=dt, seed=3)
+    qk = qkv_views(rows, 12, 2, 128, dt, seed=4)
+    cos, sin = rope(rows, 128, dt, seed=5)
+    w = rand(hidden, dtype=dt, seed=6) + 1
+    wh = rand(128, dtype=dt, seed=7) + 1
+
+    def step():
+        out, new_res = triton_ops.fused_add_rms_norm(x, res, w, EPS)
+        triton_ops.rms_norm(qk, wh, EPS, out=qk)
+        triton_ops.apply_rotary_inplace(qk, cos, sin)
+        return out, new_res, triton_ops.silu_and_mul(gate_up), qk.clone()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (10, 20):
+        buffers = (x, res, gate_up, qk)
+        inputs = [rand(*t.shape, dtype=dt, seed=seed + i) for i, t in enumerate(buffers)]
+        for t, new in zip(buffers, inputs):
+            t.copy_(new)
+        graph.replay()
+        for t, new in zip(buffers, inputs):
+            t.copy_(new)
+        eager = step()
+        torch.cuda.synchronize()
+        for g, e in zip(captured, eager):
+            assert torch.equal(g, e)
+
+
+# ---- CPU: the decoder's CUDA branch, run under the interpreter --------------------------------
+@contextlib.contextmanager
+def tensors_claim_cuda():
+    """Every tensor answers is_cuda=True, so the model takes its fused-op branch on CPU."""
+    saved = torch.Tensor.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        torch.Tensor.is_cuda = saved
+
+
+def greedy_logits(driver: RunnerDriver, steps: int = 3) -> torch.Tensor:
+    logits = [driver.prefill([list(p) for p in PROMPTS])]
+    for _ in range(steps):
+        logits.append(driver.decode(logits[-1].argmax(-1).tolist()))
+    return torch.stack(logits)
+
+
+@pytest.mark.skipif(DEV.type == "cuda", reason="on a GPU the model takes this branch for real")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_fused_branch_matches_torch_branch(tiny_dirs, dtype):
+    """Fused ops, SGLang's residual stream, in-place q/k norms and rotary (Qwen3) wired as on a
+    GPU give the plain-torch branch's logits: fp32 within 1e-5, bf16 bit for bit here."""
+    path = tiny_dirs["Qwen3ForCausalLM"]
+    fused_driver, torch_driver = RunnerDriver(path, dtype=dtype), RunnerDriver(path, dtype=dtype)
+    with tensors_claim_cuda():
+        fused = greedy_logits(fused_driver)
+    plain = greedy_logits(torch_driver)
+    if dtype == "float32":
+        assert (fused - plain).abs().max().item() <= 1e-5
+    else:
+        assert torch.equal(fused, plain)

@@ -1,0 +1,274 @@
+"""Spec: the Triton attention kernels and backend equal plain softmax attention.
+
+On CPU the kernels run under the Triton interpreter (fp32, tiny ragged batches), checked against
+an independent per-request reference, against the torch_native backend, and end to end against
+Hugging Face. On a GPU (tests marked `gpu`): bf16 kernels against torch_native, and the decode
+CUDA graphs against eager, also after an in-place weight reload."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
+    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from rollout.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rollout.attention.triton_backend import TritonBackend  # noqa: E402
+from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
+from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from tests.helpers import RunnerDriver, hf_last_logits, hf_model  # noqa: E402
+from tests.test_model_parity import PROMPTS  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not isinstance(decode._decode_partial_kernel, InterpretedFunction):
+    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
+                allow_module_level=True)
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
+
+
+SEQ_LENS = [1, 40, 17, 33, 5]
+PREFIX_LENS = [0, 25, 0, 32, 3]  # extend: 1, 15, 17, 1, 2 new tokens
+
+
+@dataclasses.dataclass
+class Paged:
+    """A random paged KV cache: request b's token j at slot req_to_token[rows[b], j]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    seq_lens: list
+    prefix_lens: list
+
+    def slots(self, b: int) -> torch.Tensor:
+        return self.req_to_token[self.rows[b], : self.seq_lens[b]].long()
+
+
+def make_paged(seq_lens, prefix_lens, kv_heads, head_dim, dtype=torch.float32, seed=0) -> Paged:
+    gen = torch.Generator().manual_seed(seed)
+    total, batch = sum(seq_lens), len(seq_lens)
+    slots = torch.randperm(total, generator=gen) + 1  # scattered; slot 0 is the dummy
+    req_to_token = torch.zeros(batch + 3, max(seq_lens) + 8, dtype=torch.int32)
+    rows = torch.randperm(batch + 3, generator=gen)[:batch]
+    for b, n in enumerate(seq_lens):
+        req_to_token[rows[b], :n] = slots[sum(seq_lens[:b]): sum(seq_lens[:b]) + n].int()
+    k, v = (torch.randn(total + 1, kv_heads, head_dim, generator=gen) for _ in range(2))
+    to = dict(device=DEV)
+    return Paged(k.to(dtype=dtype, **to), v.to(dtype=dtype, **to), req_to_token.to(**to),
+                 rows.to(**to), list(seq_lens), list(prefix_lens))
+
+
+def reference(q: torch.Tensor, p: Paged, b: int, scale: float) -> torch.Tensor:
+    """Request b's last q.shape[0] tokens, causal, plain softmax over its gathered keys."""
+    n, heads = q.shape[0], q.shape[1]
+    group = heads // p.k.shape[1]
+    k = p.k[p.slots(b)].double().repeat_interleave(group, 1)  # [L, H, D]
+    v = p.v[p.slots(b)].double().repeat_interleave(group, 1)
+    length = p.seq_lens[b]
+    q_pos = torch.arange(length - n, length, device=q.device)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    allowed = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def extend_meta(p: Paged):
+    ext = torch.tensor([s - pre for s, pre in zip(p.seq_lens, p.prefix_lens)], device=DEV)
+    return ext, torch.tensor(p.prefix_lens, device=DEV), torch.cumsum(ext, 0) - ext
+
+
+# ---- kernels against the reference ---------------------------------------------------------------
+@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])  # 8 > some lengths: empty splits
+def test_decode_kernel_matches_reference(head_dim, num_splits):
+    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=head_dim)
+    q = torch.randn(len(SEQ_LENS), 4, head_dim, device=DEV)
+    scale = head_dim ** -0.5
+    # NaN scratch: the splits a short sequence leaves empty must not leak into the result
+    scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
+        len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
+    out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
+                           torch.tensor(SEQ_LENS, device=DEV), scale, num_splits, buffers=scratch)
+    expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
+    assert (out - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_extend_kernel_matches_reference(head_dim):
+    p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=head_dim, seed=1)
+    ext, prefix, start = extend_meta(p)
+    q = torch.randn(int(ext.sum()), 4, head_dim, device=DEV)
+    scale = head_dim ** -0.5
+    out = extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
+                           int(ext.max()), scale)
+    expected = torch.cat([reference(q[s:s + n], p, b, scale)
+                          for b, (s, n) in enumerate(zip(start.tolist(), ext.tolist()))])
+    assert (out - expected).abs().max().item() <= 1e-4
+
+
+# ---- the backend against torch_native -----------------------------------------------------------
+def backend_outputs(p: Paged, mode: ForwardMode, heads: int, head_dim: int, seed: int = 0):
+    """(triton, torch_native) outputs of one layer's attention for the batch described by p."""
+    ext = [s - pre for s, pre in zip(p.seq_lens, p.prefix_lens)]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(ext), heads, head_dim, generator=gen).to(device=DEV, dtype=p.k.dtype)
+    fb = batch_for(p, mode, ext)
+    runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=p.req_to_token), device=DEV,
+        model_config=SimpleNamespace(num_attention_heads=heads, head_dim=head_dim),
+        tp=SimpleNamespace(size=1))
+    layer = SimpleNamespace(layer_id=0, scaling=head_dim ** -0.5, num_heads=heads,
+                            num_kv_heads=p.k.shape[1])
+    outs = []
+    for backend in (TritonBackend(runner), TorchNativeBackend(runner)):
+        backend.init_forward_metadata(fb)
+        run = backend.forward_decode if mode.is_decode else backend.forward_extend
+        outs.append(run(q, layer, fb))
+    return outs
+
+
+def batch_for(p: Paged, mode: ForwardMode, ext: list) -> ForwardBatch:
+    t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
+    n = sum(ext)
+    return ForwardBatch(
+        forward_mode=mode, batch_size=len(ext), input_ids=t([0] * n), positions=t([0] * n),
+        req_pool_indices=p.rows, seq_lens=t(p.seq_lens), out_cache_loc=t([0] * n),
+        seq_lens_cpu=p.seq_lens, extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=p.prefix_lens,
+        extend_seq_lens=t(ext), extend_prefix_lens=t(p.prefix_lens),
+        token_to_kv_pool=SimpleNamespace(k_buffers=[p.k], v_buffers=[p.v]))
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_backend_matches_torch_native(mode, head_dim):
+    prefix = [n - 1 for n in SEQ_LENS] if mode.is_decode else PREFIX_LENS
+    p = make_paged(SEQ_LENS, prefix, kv_heads=2, head_dim=head_dim, seed=2)
+    triton_out, native_out = backend_outputs(p, mode, heads=4, head_dim=head_dim)
+    assert (triton_out - native_out).abs().max().item() <= 1e-4
+
+
+def test_model_with_triton_backend_matches_hf(tiny_dirs):
+    """The parity test of test_model_parity, shortened: prefill then 3 decode steps."""
+    path = tiny_dirs["Qwen3ForCausalLM"]
+    hf = hf_model(path)
+    driver = RunnerDriver(path, device=DEV.type, attention_backend="triton", cuda_graph=False)
+    assert isinstance(driver.runner.attn_backend, TritonBackend)
+    seqs = [list(s) for s in PROMPTS]
+    logits, worst = driver.prefill(seqs), 0.0
+    for step in range(4):
+        expected = torch.stack([hf_last_logits(hf, s) for s in seqs])
+        worst = max(worst, (logits.cpu() - expected).abs().max().item())
+        nxt = expected.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        if step < 3:
+            logits = driver.decode(nxt)
+    assert worst <= 1e-4, f"max |logit diff| {worst}"
+
+
+def greedy(driver: RunnerDriver, prompts, steps: int):
+    """Greedy tokens and the logits that chose them, [steps, batch, vocab]."""
+    logits = driver.prefill([list(s) for s in prompts])
+    tokens, seen = [], []
+    for _ in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        tokens.append(nxt)
+        seen.append(logits)
+        logits = driver.decode(nxt)
+    return tokens, torch.stack(seen)
+
+
+GRAPH_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9]]  # 5 requests: replays the graph of 8, padded
+
+
+def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
+    """The CudaGraphRunner's bookkeeping (static buffers, padding 5 -> 8, backend replay hook)
+    without CUDA: each "graph" re-runs the forward eagerly on the static buffers, which is
+    exactly what a captured graph would read."""
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    @torch.inference_mode()
+    def eager_capture(self):
+        for bs in self.batch_sizes:
+            fb = self._static_batch(bs, [1] * bs)
+            self.backend.init_forward_metadata_capture(fb)
+            self.outputs[bs] = self._forward(fb)
+            self.graphs[bs] = SimpleNamespace(
+                replay=lambda fb=fb, bs=bs: self.outputs[bs].copy_(self._forward(fb)))
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", eager_capture)
+    path = tiny_dirs["Qwen3ForCausalLM"]
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
+    graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)
+    graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
+    eager = RunnerDriver(path, **cfg)
+    g_tokens, g_logits = greedy(graphed, GRAPH_PROMPTS, 3)
+    e_tokens, e_logits = greedy(eager, GRAPH_PROMPTS, 3)
+    assert graphed.runner.graph_runner.num_replays == 3
+    assert g_tokens == e_tokens
+    assert (g_logits - e_logits).abs().max().item() <= 1e-5
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 96])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_bf16_backend_matches_torch_native(mode, head_dim):
+    lens = [1, 300, 77, 513, 64, 129]
+    prefix = [n - 1 for n in lens] if mode.is_decode else [0, 100, 0, 500, 63, 1]
+    p = make_paged(lens, prefix, kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16, seed=3)
+    triton_out, native_out = backend_outputs(p, mode, heads=8, head_dim=head_dim)
+    assert rel_err(triton_out, native_out) <= 1e-2
+
+
+def graph_driver(path) -> RunnerDriver:
+    return RunnerDriver(path, device="cuda", attention_backend="triton",
+                        cuda_graph_batch_sizes=(1, 2, 4, 8))
+
+
+@gpu
+def test_cuda_graph_greedy_matches_eager(tiny_dirs):
+    path = tiny_dirs["Qwen3ForCausalLM"]
+    graphed = graph_driver(path)
+    eager = RunnerDriver(path, device="cuda", attention_backend="triton", cuda_graph=False)
+    g_tokens, g_logits = greedy(graphed, GRAPH_PROMPTS, 16)
+    e_tokens, e_logits = greedy(eager, GRAPH_PROMPTS, 16)
+    assert graphed.runner.graph_runner.num_replays >= 16
+    assert g_tokens == e_tokens
+    assert (g_logits - e_logits).abs().max().item() <= 1e-3
+
+
+@gpu
+def test_cuda_graph_after_weight_reload(tiny_dirs, tmp_path):
+    """Weights are copied in place, so the captured graphs compute with the new weights."""
+    from rollout.tiny_model import TinyModelSpec, make_tiny_model, random_state_dict
+    graphed = graph_driver(tiny_dirs["Qwen3ForCausalLM"])
+    greedy(graphed, GRAPH_PROMPTS, 2)
+    spec = TinyModelSpec(architecture="Qwen3ForCausalLM", seed=11)
+    graphed.runner.load_weights(random_state_dict(spec))
+    replays = graphed.runner.graph_runner.num_replays
+    fresh = RunnerDriver(str(make_tiny_model(tmp_path / "new", spec)), device="cuda",
+                         attention_backend="triton", cuda_graph=False)
+    g_tokens, g_logits = greedy(graphed, GRAPH_PROMPTS, 8)
+    e_tokens, e_logits = greedy(fresh, GRAPH_PROMPTS, 8)
+    assert graphed.runner.graph_runner.num_replays > replays
+    assert g_tokens == e_tokens
+    assert (g_logits - e_logits).abs().max().item() <= 1e-3

@@ -1,0 +1,73 @@
+"""A standalone process group for weight sync (trainer = rank 0, every rollout shard a rank),
+separate from any tensor-parallel group and from torch's default group: its own TCPStore,
+its own timeout, so a dead trainer gives a clear error instead of a hang."""
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class WeightSyncGroupError(RuntimeError):
+    """Rendezvous or a collective of the weight-sync group failed or timed out."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    host: str
+    port: int
+    world_size: int
+    backend: str = "gloo"  # "nccl" between GPUs
+    group_name: str = "weight_sync"
+    timeout_s: float = 60.0
+
+
+class WeightSyncGroup:
+    def __init__(self, addr: GroupAddress, rank: int):
+        self.addr, self.rank = addr, rank
+        timeout = datetime.timedelta(seconds=addr.timeout_s)
+        try:
+            store = dist.TCPStore(addr.host, addr.port, addr.world_size, is_master=rank == 0,
+                                  timeout=timeout, wait_for_workers=True)
+            self.pg = _make_pg(dist.PrefixStore(addr.group_name, store), rank, addr, timeout)
+        except Exception as e:  # noqa: BLE001 — every rendezvous failure becomes one typed error
+            raise WeightSyncGroupError(
+                f"weight-sync group {addr.group_name!r} rank {rank}/{addr.world_size} could not form at "
+                f"{addr.host}:{addr.port} within {addr.timeout_s}s: {e}") from e
+        self._store = store
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        try:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            self.pg.broadcast([tensor], opts).wait()
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncGroupError(f"broadcast in weight-sync group {self.addr.group_name!r} failed "
+                                       f"(peer gone or timed out after {self.addr.timeout_s}s): {e}") from e
+
+    def destroy(self) -> None:
+        self.pg = None
+        self._store = None
+
+
+def _make_pg(store, rank: int, addr: GroupAddress, timeout: datetime.timedelta):
+    if addr.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, addr.world_size, timeout)
+    if addr.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, addr.world_size, opts)
+    raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', got {addr.backend!r}")
+
+
+def local_host() -> str:
+    return socket.gethostname()

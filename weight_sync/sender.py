@@ -1,0 +1,157 @@
+"""WeightSender: the trainer side. Packs HF-named full tensors into buckets and pushes them into
+any target that has the `update_weights_*` methods (an Engine or a RolloutController) over one
+of four transports. `push` returns the version the target now serves."""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from weight_sync.bucket import DEFAULT_BUCKET_BYTES, UpdateManifest, pack, pack_buckets, plan_buckets
+from weight_sync.disk import save_atomic
+from weight_sync.errors import WeightUpdateError
+from weight_sync.ipc import IpcExport
+from weight_sync.process_group import GroupAddress, WeightSyncGroup, free_port
+from weight_sync.spec import specs_of
+
+logger = logging.getLogger(__name__)
+TRANSPORTS = ("disk", "nccl", "tensor", "ipc")
+
+
+@dataclass
+class PushTimings:
+    """Seconds spent in each phase of the last push."""
+
+    pack: float = 0.0
+    transfer: float = 0.0  # transfer + load as seen from the trainer
+    total: float = 0.0
+    nbytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class WeightSender:
+    def __init__(self, target: Any, transport: str = "tensor", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 sync_dir: Optional[str] = None, host: str = "127.0.0.1", group_timeout_s: float = 60.0,
+                 backend: Optional[str] = None, checksum: bool = False):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.target, self.transport, self.bucket_bytes = target, transport, bucket_bytes
+        self.host, self.group_timeout_s, self.backend, self.checksum = host, group_timeout_s, backend, checksum
+        self._own_dir = sync_dir is None
+        self.sync_dir = Path(sync_dir or tempfile.mkdtemp(prefix="weight-sync-"))
+        self.group: Optional[WeightSyncGroup] = None
+        self.last = PushTimings()
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Optional[int] = None,
+             allow_partial: bool = False) -> int:
+        """Send every (HF name, full tensor); returns the target's new weight version."""
+        named = [(n, t.detach()) for n, t in named_tensors]
+        version = self.target.weight_version + 1 if version is None else version
+        start = time.perf_counter()
+        self.last = PushTimings(nbytes=sum(t.numel() * t.element_size() for _, t in named))
+        new_version = getattr(self, f"_push_{self.transport}")(named, version, allow_partial)
+        self.last.total = time.perf_counter() - start
+        return new_version
+
+    # ---- transports ----------------------------------------------------------------------------
+    def _push_tensor(self, named, version, allow_partial) -> int:
+        t0 = time.perf_counter()
+        buckets = pack_buckets(named, self.bucket_bytes, torch.device("cpu"), self.checksum)
+        self.last.pack = time.perf_counter() - t0
+        return self._timed(lambda: self.target.update_weights_from_tensor(
+            buckets, version=version, allow_partial=allow_partial))
+
+    def _push_disk(self, named, version, allow_partial) -> int:
+        t0 = time.perf_counter()
+        path = save_atomic(named, self.sync_dir / f"v{version}")
+        self.last.pack = time.perf_counter() - t0
+        try:
+            return self._timed(lambda: self.target.update_weights_from_disk(
+                str(path), version=version, allow_partial=allow_partial))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _push_ipc(self, named, version, allow_partial) -> int:
+        t0 = time.perf_counter()
+        exports = [IpcExport(b) for b in pack_buckets(named, self.bucket_bytes, None, self.checksum)]
+        self.last.pack = time.perf_counter() - t0
+        try:
+            return self._timed(lambda: self.target.update_weights_from_ipc(
+                [e.handle for e in exports], version=version, allow_partial=allow_partial))
+        finally:
+            for e in exports:
+                e.close()
+
+    def _push_nccl(self, named, version, allow_partial) -> int:
+        tensors = dict(named)
+        specs = specs_of(named)
+        self.target.check_weights_update(specs, allow_partial)  # fail before any byte moves
+        device = next(iter(tensors.values())).device
+        self._ensure_group(device)
+        manifest = UpdateManifest(plan_buckets(specs, self.bucket_bytes))
+        t0 = time.perf_counter()
+        receiver = _Call(lambda: self.target.update_weights_from_distributed(
+            manifest, version=version, allow_partial=allow_partial))
+        for meta in manifest.buckets:
+            self.group.broadcast(pack(meta, tensors, device).flat, src=0)
+        result = receiver.join()
+        self.last.transfer = time.perf_counter() - t0
+        return result
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _timed(self, fn) -> int:
+        t0 = time.perf_counter()
+        out = fn()
+        self.last.transfer = time.perf_counter() - t0
+        return out
+
+    def _ensure_group(self, device: torch.device) -> None:
+        if self.group is not None:
+            return
+        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        world = 1 + self.target.num_weight_sync_ranks
+        addr = GroupAddress(self.host, free_port(self.host), world, backend, timeout_s=self.group_timeout_s)
+        joiner = _Call(lambda: self.target.init_weights_update_group(addr, 1))
+        self.group = WeightSyncGroup(addr, 0)
+        joiner.join()
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.target.destroy_weights_update_group()
+            except Exception as e:  # noqa: BLE001 — closing must not mask the caller's error
+                logger.warning("destroy_weights_update_group failed: %s", e)
+            self.group.destroy()
+            self.group = None
+        if self._own_dir:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+class _Call:
+    """Runs `fn` in a thread (the receiving side of a collective the caller takes part in)."""
+
+    def __init__(self, fn):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._result = fn()
+        except BaseException as e:  # noqa: BLE001 — re-raised in join()
+            self._error = e
+
+    def join(self):
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, WeightUpdateError):
+                raise self._error
+            raise WeightUpdateError(f"the receiving side failed: {self._error}") from self._error
+        return self._result

@@ -1,0 +1,136 @@
+"""WeightUpdater: the rollout side of weight sync, one per shard.
+
+Every path validates the whole update (names, shapes, dtypes; checksums and finiteness where
+the bytes are already here) against the shard's parameter table before the first write, then
+loads through the model's in-place `load_weights`. A failure after the first write marks the
+shard incomplete: its engine refuses to generate until a complete update lands."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from weight_sync import checkpoint
+from weight_sync.bucket import Bucket, BucketMeta, UpdateManifest, verify, views
+from weight_sync.errors import WeightUpdateError
+from weight_sync.ipc import IpcHandle, IpcHandleError, IpcImport
+from weight_sync.process_group import GroupAddress, WeightSyncGroup, WeightSyncGroupError
+from weight_sync.spec import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+
+class WeightTarget(Protocol):
+    """What the updater drives: a ModelRunner shard."""
+
+    device: torch.device
+
+    def validate_weights(self, specs: Iterable[TensorSpec], error: type[Exception], *,
+                         complete: bool = False, exact_dtype: bool = True) -> None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> int: ...
+
+
+class WeightUpdater:
+    def __init__(self, target: WeightTarget, check_finite: bool = False):
+        self.target, self.check_finite = target, check_finite
+        self.incomplete_reason: Optional[str] = None
+        self.group: Optional[WeightSyncGroup] = None
+
+    # ---- validation --------------------------------------------------------------------------
+    def validate(self, specs: Sequence[TensorSpec], allow_partial: bool, exact_dtype: bool = True) -> None:
+        self.target.validate_weights(specs, WeightUpdateError, complete=not allow_partial,
+                                     exact_dtype=exact_dtype)
+
+    def _check_bytes(self, meta: BucketMeta, flat: torch.Tensor) -> None:
+        if not verify(meta, flat):
+            names = [e.name for e in meta.entries][:3]
+            raise WeightUpdateError(f"bucket holding {names}... failed its checksum: corrupted in transfer")
+        if self.check_finite and flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+            bad = next(n for n, t in views(meta, flat) if not bool(torch.isfinite(t).all()))
+            raise WeightUpdateError(f"tensor {bad!r} holds NaN or inf (check_finite is on)")
+
+    # ---- paths -------------------------------------------------------------------------------
+    def from_buckets(self, buckets: Sequence[Bucket], allow_partial: bool = False) -> int:
+        """Tensor passing: the buckets' bytes are here already, so everything is checked first."""
+        self.validate([s for b in buckets for s in b.meta.specs()], allow_partial)
+        for b in buckets:
+            self._check_bytes(b.meta, b.flat)
+        return self._load(((n, t) for b in buckets for n, t in b.tensors()), allow_partial)
+
+    def from_disk(self, path: str | Path, allow_partial: bool = False) -> int:
+        files = checkpoint.checkpoint_files(path)
+        self.validate(checkpoint.read_specs(files), allow_partial, exact_dtype=False)
+        return self._load(checkpoint.iter_slices(files), allow_partial)
+
+    def from_ipc(self, handles: Sequence[IpcHandle], allow_partial: bool = False) -> int:
+        self.validate([s for h in handles for s in h.meta.specs()], allow_partial)
+        opened = []
+        try:
+            for h in handles:
+                opened.append(IpcImport(h, self.target.device))
+                self._check_bytes(h.meta, opened[-1].flat)
+            return self._load(((n, t) for h, o in zip(handles, opened) for n, t in views(h.meta, o.flat)),
+                              allow_partial)
+        except IpcHandleError as e:
+            raise WeightUpdateError(str(e)) from e
+        finally:
+            for o in opened:
+                o.close()
+
+    def join_group(self, addr: GroupAddress, rank: int) -> None:
+        if self.group is not None:
+            self.group.destroy()
+        try:
+            self.group = WeightSyncGroup(addr, rank)
+        except WeightSyncGroupError as e:
+            raise WeightUpdateError(str(e)) from e
+
+    def leave_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def from_distributed(self, manifest: UpdateManifest, allow_partial: bool = False) -> int:
+        """Receive each bucket by broadcast from the trainer (rank 0), check it, load it."""
+        if self.group is None:
+            raise WeightUpdateError("no weight-sync group: call init_weights_update_group first")
+        self.validate(manifest.specs(), allow_partial)
+        self._begin(allow_partial)
+        count = 0
+        try:
+            for i, meta in enumerate(manifest.buckets):
+                flat = torch.empty(meta.numel, dtype=meta.dtype, device=self.target.device)
+                self.group.broadcast(flat, src=0)
+                self._check_bytes(meta, flat)
+                count += self.target.load_weights(views(meta, flat))
+        except (WeightSyncGroupError, WeightUpdateError) as e:
+            self._fail(f"broadcast update stopped at bucket {i + 1}/{len(manifest.buckets)}: {e}")
+            raise WeightUpdateError(self.incomplete_reason) from e
+        return self._done(count, allow_partial)
+
+    # ---- the write phase ---------------------------------------------------------------------
+    def _load(self, weights, allow_partial: bool) -> int:
+        self._begin(allow_partial)
+        try:
+            count = self.target.load_weights(weights)
+        except Exception as e:  # noqa: BLE001 — the shard now holds a mix: say so and refuse
+            self._fail(f"loading failed after the first write: {e}")
+            raise WeightUpdateError(self.incomplete_reason) from e
+        return self._done(count, allow_partial)
+
+    def _begin(self, allow_partial: bool) -> None:
+        self._was_incomplete = self.incomplete_reason
+        self.incomplete_reason = "a weight update is in progress"
+
+    def _done(self, count: int, allow_partial: bool) -> int:
+        # A partial update on top of an incomplete shard leaves it incomplete.
+        self.incomplete_reason = self._was_incomplete if allow_partial else None
+        return count
+
+    def _fail(self, reason: str) -> None:
+        self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
+                                  "complete update lands")
+        logger.error(self.incomplete_reason)
