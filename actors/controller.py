@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import ray
 
 from actors import cluster
+from actors.controller_weights import ControllerWeightsMixin
 from actors.health import replica_status
 from actors.placement import bundle_resource, node_capacities, plan_replica_nodes
 from actors.replica import Replica, check_tp_size
@@ -48,7 +49,7 @@ def work_estimate(prompt: Prompt, sp: SamplingParams) -> int:
     return sp.n * (len(prompt) + sp.max_new_tokens)
 
 
-class RolloutController:
+class RolloutController(ControllerWeightsMixin):
     def __init__(self, config: Optional[EngineConfig] = None, num_replicas: int = 1, *,
                  address: Optional[str] = None, placement_timeout_s: float = 60.0,
                  start_timeout_s: float = 600.0, dist_timeout_s: float = 120.0, **overrides: Any):
@@ -62,6 +63,7 @@ class RolloutController:
         self._lock = threading.Lock()
         self._rng = random.Random(self.config.seed)
         self._outstanding = [0] * num_replicas
+        self._weight_version = 0
         self._closed = False
         try:
             self._start_replicas(num_replicas, placement_timeout_s, start_timeout_s, dist_timeout_s)
@@ -155,6 +157,10 @@ class RolloutController:
         for part, ref in zip(parts, refs):
             ref.future().add_done_callback(lambda f, part=part: on_done(part, f))
         return result
+
+    def prefill_logits(self, prompts: Sequence[Sequence[int]], replica: int = 0):
+        """Last-token logits of a fresh prefill on one replica (see Engine.prefill_logits)."""
+        return ray.get(self.replicas[replica].leader.prefill_logits.remote(prompts))
 
     # ---- health and teardown ----------------------------------------------------------------
     def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:

@@ -19,6 +19,8 @@ from rollout.config import EngineConfig
 from rollout.distributed import (LOOPBACK, default_backend, destroy_tp_group, free_port,
                                  init_tp_group, tcp_init_method)
 from rollout.tp_worker import TPFollower, TPLeaderEngine
+from weight_sync.bucket import Bucket
+from weight_sync.updater import WeightUpdater, apply_update
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class RolloutShard:
         self.follower: Optional[TPFollower] = None
         self._thread: Optional[threading.Thread] = None
         self._follower_error: Optional[str] = None
+        self.updater: Optional[WeightUpdater] = None
 
     # ---- set-up ---------------------------------------------------------------------------
     def pick_init_method(self) -> str:
@@ -50,8 +53,10 @@ class RolloutShard:
                            default_backend(self.config.device), timedelta(seconds=timeout_s))
         if tp.is_leader:
             self.engine = TPLeaderEngine(self.config, tp)
+            self.updater = self.engine.updater
         else:
             self.follower = TPFollower(self.config, tp)
+            self.updater = WeightUpdater(self.follower.runner, self.config.check_finite)
             self._thread = threading.Thread(target=self._serve, name=f"tp-follower-{self.rank}",
                                             daemon=True)
             self._thread.start()
@@ -68,13 +73,48 @@ class RolloutShard:
     def generate(self, prompts, sampling_params=None, **kw: Any):
         return self._leader().generate(prompts, sampling_params, **kw)
 
-    def max_len(self) -> int:
-        return self._leader().max_len
+    def prefill_logits(self, prompts):
+        return self._leader().prefill_logits(prompts)
 
     def _leader(self) -> TPLeaderEngine:
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank} is not a TP leader (or is not set up)")
         return self.engine
+
+    # ---- weight sync (every rank loads its own slices; the controller sequences the steps) ---
+    def pause(self, pause_mode: Optional[str] = None) -> None:
+        self._leader().pause_generation(pause_mode)
+
+    def resume(self) -> None:
+        self._leader().resume_generation()
+
+    def commit_weights(self, version: int) -> None:
+        self._leader().commit_weight_version(version)
+
+    def abort_if_incomplete(self, reason: Optional[str] = None) -> None:
+        """Leader, after a failed update: `reason` says another rank of this replica failed."""
+        if reason is not None:
+            self.updater.mark_incomplete(reason)
+        self._leader().abort_if_incomplete()
+
+    def check_weights(self, specs, allow_partial: bool = False) -> None:
+        self.updater.validate(list(specs), allow_partial)
+
+    def apply_weights(self, kind: str, payload, allow_partial: bool = False) -> int:
+        """Load an update into this rank's shard. Tensor updates come as (meta, ObjectRef) pairs:
+        the bytes are fetched here from the object store (zero-copy on a CPU node)."""
+        if kind == "tensor":
+            payload = [Bucket(meta, ray.get(ref)) for meta, ref in payload]
+        return apply_update(self.updater, kind, payload, allow_partial)
+
+    def incomplete_reason(self) -> Optional[str]:
+        return self.updater.incomplete_reason
+
+    def join_weight_group(self, addr, rank: int) -> None:
+        self.updater.join_group(addr, rank)
+
+    def leave_weight_group(self) -> None:
+        self.updater.leave_group()
 
     # ---- control ----------------------------------------------------------------------------
     def node_id(self) -> str:

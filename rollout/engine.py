@@ -9,8 +9,11 @@ from typing import Any, Iterator, Optional, Sequence
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
 from rollout.engine_weights import EngineWeightsMixin
-from rollout.errors import EngineNotReadyError, InvalidRequestError
-from rollout.forward_batch import ForwardBatch
+import torch
+
+from rollout.batch_builder import build_batch
+from rollout.errors import EngineNotReadyError, InvalidRequestError, KVCacheBudgetError
+from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
 from rollout.model_runner import ModelRunner
 from rollout.outputs import GenerateOutput
@@ -55,8 +58,29 @@ class Engine(EngineWeightsMixin):
         return self.scheduler.stats
 
     def run_batch(self, fb: ForwardBatch) -> SampleOutput:
-        """One forward + sample. A TP leader wraps this to send `fb` to its followers first."""
-        return self.runner.sample(self.runner.forward(fb), fb)
+        """One forward + sample: what the scheduler calls each step."""
+        return self.runner.sample(self.forward(fb), fb)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of one batch. A TP leader overrides this to send `fb` to its followers first."""
+        return self.runner.forward(fb)
+
+    def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Last-token logits [len(prompts), vocab] (float32, CPU) of a fresh prefill of each
+        prompt: what a trainer compares against its own model after a weight update."""
+        self._check_ready()
+        ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
+        with self._lock, self.gate.step():
+            alloc = self.scheduler.alloc
+            rows = [alloc.alloc_row() for _ in ids]
+            try:
+                fb = build_batch(ForwardMode.EXTEND, rows, ids, [0] * len(ids), alloc, self.runner.device)
+                if fb is None:
+                    raise KVCacheBudgetError("the KV cache has no room for these prompts right now")
+                return self.forward(fb).float().cpu()
+            finally:
+                for r, p in zip(rows, ids):
+                    alloc.free(r, len(p) if fb is not None else 0)
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,

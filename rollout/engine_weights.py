@@ -74,25 +74,40 @@ class EngineWeightsMixin:
             try:
                 load()
             except WeightUpdateError:
-                if self.updater.incomplete_reason is not None:
-                    self.scheduler.abort_all()  # never serve a mix of two versions
+                self.abort_if_incomplete()
                 raise
-            self.scheduler.weight_version = new_version
+            self.commit_weight_version(new_version)
         return new_version
 
-    @contextlib.contextmanager
-    def paused(self, pause_mode: Optional[str] = None) -> Iterator[None]:
+    # The steps of an update, for a controller that drives several shards through them.
+    def pause_generation(self, pause_mode: Optional[str] = None) -> None:
         """Stop generation at a step boundary; in-flight requests are aborted, retracted (KV
         recomputed later under the new weights) or kept (`in_place`) by `pause_mode`."""
         mode = pause_mode or self.config.pause_mode
         if mode not in ("abort", "retract", "in_place"):
             raise ConfigError(f"pause_mode must be abort, retract or in_place, got {mode!r}")
         self.gate.pause()
+        if mode == "abort":
+            self.scheduler.abort_all()
+        elif mode == "retract":
+            self.scheduler.retract_all()
+
+    def resume_generation(self) -> None:
+        self.gate.resume()
+
+    def commit_weight_version(self, version: int) -> None:
+        self.scheduler.weight_version = int(version)
+
+    def abort_if_incomplete(self) -> None:
+        """After a failed update: if this shard holds a mix of versions, end the in-flight
+        requests now (returned with the tokens they have) rather than continue on mixed weights."""
+        if self.updater.incomplete_reason is not None:
+            self.scheduler.abort_all()
+
+    @contextlib.contextmanager
+    def paused(self, pause_mode: Optional[str] = None) -> Iterator[None]:
+        self.pause_generation(pause_mode)
         try:
-            if mode == "abort":
-                self.scheduler.abort_all()
-            elif mode == "retract":
-                self.scheduler.retract_all()
             yield
         finally:
-            self.gate.resume()
+            self.resume_generation()

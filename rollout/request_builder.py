@@ -47,6 +47,10 @@ class RequestBuilder:
             self._next_rid += 1
         return out
 
+    def encode_checked(self, index: int, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, validated (what every request goes through)."""
+        return self._encode(index, prompt)
+
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -21,7 +21,6 @@ from rollout.distributed import TPGroup
 from rollout.engine import Engine
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.model_runner import ModelRunner
-from rollout.sampler import SampleOutput
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +96,9 @@ class TPLeaderEngine(Engine):
         self._channel = StepChannel(tp)
         self._stopped = False
 
-    def run_batch(self, fb: ForwardBatch) -> SampleOutput:
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self._channel.send(BatchMessage.from_batch(fb))
-        return super().run_batch(fb)
+        return super().forward(fb)
 
     def shutdown(self) -> None:
         if not self._stopped:

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from rollout import Engine, EngineConfig, EngineNotReadyError, SamplingParams, WeightUpdateError
-from rollout.batch_builder import build_batch
-from rollout.forward_batch import ForwardMode
 from weight_sync import TRANSPORTS, WeightSender
 from weight_sync.bucket import UpdateManifest, pack, plan_buckets
 from weight_sync.process_group import GroupAddress, WeightSyncGroup, free_port
@@ -29,15 +27,9 @@ def perturb(model, seed: int, scale: float = 0.02) -> None:
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-def engine_logits(engine: Engine, prompts=PROMPTS) -> torch.Tensor:
-    """Last-token logits of a fresh prefill, straight through the runner."""
-    alloc = engine.scheduler.alloc
-    rows = [alloc.alloc_row() for _ in prompts]
-    fb = build_batch(ForwardMode.EXTEND, rows, prompts, [0] * len(prompts), alloc, engine.runner.device)
-    logits = engine.runner.forward(fb)
-    for r, p in zip(rows, prompts):
-        alloc.free(r, len(p))
-    return logits
+def engine_logits(engine, prompts=PROMPTS) -> torch.Tensor:
+    """Last-token logits of a fresh prefill (an Engine or a RolloutController)."""
+    return engine.prefill_logits(prompts)
 
 
 @torch.no_grad()

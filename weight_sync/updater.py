@@ -58,7 +58,10 @@ class WeightUpdater:
         self.validate([s for b in buckets for s in b.meta.specs()], allow_partial)
         for b in buckets:
             self._check_bytes(b.meta, b.flat)
-        return self._load(((n, t) for b in buckets for n, t in b.tensors()), allow_partial)
+        device = self.target.device
+        # one host-to-device copy per bucket, then views (not one copy per parameter)
+        on_device = (Bucket(b.meta, b.flat.to(device, non_blocking=True)) for b in buckets)
+        return self._load(((n, t) for b in on_device for n, t in b.tensors()), allow_partial)
 
     def from_disk(self, path: str | Path, allow_partial: bool = False) -> int:
         files = checkpoint.checkpoint_files(path)
@@ -130,7 +133,28 @@ class WeightUpdater:
         self.incomplete_reason = self._was_incomplete if allow_partial else None
         return count
 
+    def mark_incomplete(self, reason: str) -> None:
+        """Another shard of this replica failed mid-update: this replica must not serve either."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
                                   "complete update lands")
         logger.error(self.incomplete_reason)
+
+
+UPDATE_KINDS = ("tensor", "disk", "ipc", "distributed")
+
+
+def apply_update(updater: WeightUpdater, kind: str, payload, allow_partial: bool = False) -> int:
+    """One entry point for every transport (what a remote shard is asked to do): `payload` is
+    the buckets, the checkpoint path, the IPC handles or the manifest."""
+    if kind == "tensor":
+        return updater.from_buckets(payload, allow_partial)
+    if kind == "disk":
+        return updater.from_disk(payload, allow_partial)
+    if kind == "ipc":
+        return updater.from_ipc(payload, allow_partial)
+    if kind == "distributed":
+        return updater.from_distributed(payload, allow_partial)
+    raise ValueError(f"update kind must be one of {UPDATE_KINDS}, got {kind!r}")

@@ -1,0 +1,109 @@
+"""The RolloutController's weight-sync API: the same methods as the Engine's, driven over every
+shard of every replica. Each update: pause every leader at a step boundary (in-flight requests
+by `pause_mode`), have every shard load its own slices (one Ray call per shard per update, never
+per parameter), commit the new version on the leaders, resume. A shard that fails after its first
+write leaves its replica refusing to generate until a complete update lands."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import ray
+import torch
+
+from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
+from weight_sync.errors import WeightUpdateError
+from weight_sync.ipc import IpcHandle
+from weight_sync.process_group import GroupAddress
+from weight_sync.spec import TensorSpec
+
+
+class ControllerWeightsMixin:
+    """Mixed into RolloutController; uses its `replicas` and `_weight_version`."""
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def num_weight_sync_ranks(self) -> int:
+        return sum(r.tp_size for r in self.replicas)
+
+    def _shards(self) -> list[Any]:
+        return [s for r in self.replicas for s in r.shards]
+
+    def check_weights_update(self, specs: Sequence[TensorSpec], allow_partial: bool = False) -> None:
+        ray.get(self.replicas[0].leader.check_weights.remote(list(specs), allow_partial))
+
+    def update_weights_from_tensor(self, weights, *, version: Optional[int] = None,
+                                   allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        """`weights`: (HF name, full tensor) pairs or Buckets; one `ray.put` per bucket, every
+        shard fetches the same objects."""
+        weights = list(weights)
+        if weights and not isinstance(weights[0], Bucket):
+            weights = pack_buckets(weights, device=torch.device("cpu"))
+        payload = [(b.meta, ray.put(b.flat.cpu())) for b in weights]
+        return self._update("tensor", payload, version, allow_partial, pause_mode)
+
+    def update_weights_from_disk(self, path: Union[str, Path], *, version: Optional[int] = None,
+                                 allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        return self._update("disk", str(path), version, allow_partial, pause_mode)
+
+    def update_weights_from_ipc(self, handles: Sequence[IpcHandle], *, version: Optional[int] = None,
+                                allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        return self._update("ipc", list(handles), version, allow_partial, pause_mode)
+
+    def init_weights_update_group(self, addr: GroupAddress, rank_offset: int = 1) -> None:
+        """Every shard joins the trainer's group (ranks rank_offset, rank_offset + 1, ...)."""
+        ray.get([s.join_weight_group.remote(addr, rank_offset + i) for i, s in enumerate(self._shards())])
+
+    def destroy_weights_update_group(self) -> None:
+        ray.get([s.leave_weight_group.remote() for s in self._shards()])
+
+    def update_weights_from_distributed(self, manifest: UpdateManifest, *, version: Optional[int] = None,
+                                        allow_partial: bool = False,
+                                        pause_mode: Optional[str] = None) -> int:
+        return self._update("distributed", manifest, version, allow_partial, pause_mode)
+
+    # ---- pause → load everywhere → commit → resume ---------------------------------------------
+    def _update(self, kind: str, payload, version: Optional[int], allow_partial: bool,
+                pause_mode: Optional[str]) -> int:
+        new_version = self._weight_version + 1 if version is None else int(version)
+        leaders = [r.leader for r in self.replicas]
+        ray.get([lead.pause.remote(pause_mode) for lead in leaders])
+        try:
+            errors = self._apply_everywhere(kind, payload, allow_partial)
+            if errors:
+                raise errors[0]
+            ray.get([lead.commit_weights.remote(new_version) for lead in leaders])
+            self._weight_version = new_version
+        finally:
+            ray.get([lead.resume.remote() for lead in leaders])
+        return new_version
+
+    def _apply_everywhere(self, kind: str, payload, allow_partial: bool) -> list[BaseException]:
+        """Every shard loads; a replica with any shard left incomplete is told to refuse."""
+        refs = {(r.index, rank): s.apply_weights.remote(kind, payload, allow_partial)
+                for r in self.replicas for rank, s in enumerate(r.shards)}
+        errors = []
+        for replica in self.replicas:
+            failed = []
+            for rank in range(replica.tp_size):
+                try:
+                    ray.get(refs[(replica.index, rank)])
+                except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
+                    errors.append(_unwrap(e))
+                    failed.append(rank)
+            if failed:
+                incomplete = ray.get([s.incomplete_reason.remote() for s in replica.shards])
+                reason = next((r for r in incomplete if r), None)
+                ray.get(replica.leader.abort_if_incomplete.remote(
+                    f"rank(s) {failed} of replica {replica.index}: {reason}" if reason else None))
+        return errors
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, WeightUpdateError):
+        return cause
+    return e if isinstance(e, WeightUpdateError) else WeightUpdateError(str(e))

@@ -1,0 +1,127 @@
+"""Spec for weight sync into a RolloutController with TP=2 shards (CPU, local Ray): every
+transport lands the trainer's weights in every rank's slices (logits equal HF's), bad updates
+change nothing, in-flight requests survive every pause mode, and a trainer dying mid-broadcast
+leaves the replicas refusing to generate until a complete update lands."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+from actors import RolloutController
+from rollout import EngineConfig, EngineNotReadyError, SamplingParams, WeightUpdateError
+from tests.helpers import hf_model
+from tests.ray_helpers import local_ray
+from tests.test_weight_sync import BAD_UPDATES, PROMPTS, _dying_trainer, hf_logits, perturb
+from weight_sync import TRANSPORTS, WeightSender
+from weight_sync.bucket import UpdateManifest, plan_buckets
+from weight_sync.process_group import GroupAddress, free_port
+from weight_sync.spec import specs_of
+
+pytestmark = pytest.mark.ray
+ARCH = "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def ctl(tiny_dirs):
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096, tp_size=2)
+        with RolloutController(cfg, num_replicas=1) as controller:
+            yield controller
+
+
+@pytest.fixture()
+def trainer(tiny_dirs, ctl):
+    """An HF model in the state the controller serves (resynced after each test)."""
+    model = hf_model(tiny_dirs[ARCH])
+    yield model
+    fresh = hf_model(tiny_dirs[ARCH])
+    ctl.update_weights_from_tensor(list(fresh.named_parameters()))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_into_tp2_replica(ctl, trainer, transport):
+    sender = WeightSender(ctl, transport, bucket_bytes=64 << 10)
+    start = ctl.weight_version
+    perturb(trainer, seed=21)
+    assert sender.push(trainer.named_parameters()) == start + 1 == ctl.weight_version
+    assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
+    out = ctl.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))[0]
+    assert out.token_weight_versions == [start + 1] * 2
+    sender.close()
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_bad_update_leaves_tp2_replica_untouched(ctl, trainer, case):
+    before, version = ctl.prefill_logits(PROMPTS), ctl.weight_version
+    perturb(trainer, seed=4)
+    make_bad, message = BAD_UPDATES[case]
+    with pytest.raises(WeightUpdateError, match=message):
+        ctl.update_weights_from_tensor(make_bad([(n, p.detach().clone()) for n, p in trainer.named_parameters()]))
+    assert torch.equal(ctl.prefill_logits(PROMPTS), before) and ctl.weight_version == version
+
+
+def test_partial_update(ctl, trainer):
+    perturb(trainer, seed=8)
+    subset = [(n, p.detach().clone()) for n, p in trainer.named_parameters() if "mlp" in n]
+    with pytest.raises(WeightUpdateError, match="missing"):
+        ctl.update_weights_from_tensor(subset)
+    ctl.update_weights_from_tensor(subset, allow_partial=True)
+    perturb(trainer, seed=8, scale=-0.02)
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            if "mlp" in n:
+                p.copy_(dict(subset)[n])
+    assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_update_while_64_requests_generate(ctl, trainer, mode):
+    prompts = [[i % 250 + 1, (7 * i) % 250 + 1, 3] for i in range(64)]
+    sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    start = ctl.weight_version
+    steps = _leader_steps(ctl)
+    fut = ctl.generate_async(prompts, sp)
+    while _leader_steps(ctl) < steps + 3:  # the update lands mid-generation
+        time.sleep(0.01)
+    perturb(trainer, seed=31)
+    assert ctl.update_weights_from_tensor(list(trainer.named_parameters()), pause_mode=mode) == start + 1
+    outs = fut.result(timeout=120)
+    assert [(o.prompt_index, o.sample_index) for o in outs] == [(i, 0) for i in range(64)]
+    for o in outs:
+        assert len(o.token_weight_versions) == len(o.token_ids) > 0
+        assert o.token_weight_versions == sorted(o.token_weight_versions)
+        assert set(o.token_weight_versions) <= {start, start + 1}
+    if mode == "abort":
+        assert any(o.finish_reason == "abort" for o in outs)
+        assert all(set(o.token_weight_versions) == {start} for o in outs if o.finish_reason == "abort")
+    else:
+        assert all(len(o.token_ids) == 32 for o in outs)
+        assert any(set(o.token_weight_versions) == {start, start + 1} for o in outs)
+
+
+def _leader_steps(ctl) -> int:
+    return ctl.status()[0]["shards"][0]["stats"]["steps"]
+
+
+def test_trainer_killed_mid_broadcast(ctl, trainer, tiny_dirs):
+    bucket_bytes = 64 << 10
+    addr = GroupAddress("127.0.0.1", free_port(), 1 + ctl.num_weight_sync_ranks, "gloo", timeout_s=10)
+    proc = mp.get_context("spawn").Process(target=_dying_trainer,
+                                           args=(addr, tiny_dirs[ARCH], bucket_bytes))
+    proc.start()
+    ctl.init_weights_update_group(addr, 1)
+    manifest = UpdateManifest(plan_buckets(specs_of(trainer.named_parameters()), bucket_bytes))
+    with pytest.raises(WeightUpdateError, match="stopped at bucket 2/"):
+        ctl.update_weights_from_distributed(manifest)
+    proc.join(timeout=30)
+    with pytest.raises(EngineNotReadyError, match="incomplete"):
+        ctl.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    ctl.destroy_weights_update_group()
+    perturb(trainer, seed=3)
+    version = ctl.update_weights_from_tensor(list(trainer.named_parameters()))
+    assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
+    assert ctl.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_weight_versions == [version] * 2
