@@ -5,6 +5,7 @@ per parameter), commit the new version on the leaders, resume. A shard that fail
 write leaves its replica refusing to generate until a complete update lands."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -20,6 +21,8 @@ from weight_sync.spec import TensorSpec
 
 class ControllerWeightsMixin:
     """Mixed into RolloutController; uses its `replicas` and `_weight_version`."""
+
+    _last_phases: dict = {}
 
     @property
     def weight_version(self) -> int:
@@ -65,12 +68,34 @@ class ControllerWeightsMixin:
                                         pause_mode: Optional[str] = None) -> int:
         return self._update("distributed", manifest, version, allow_partial, pause_mode)
 
+    # ---- benchmarks ---------------------------------------------------------------------------
+    def last_update_phases(self) -> dict:
+        """Seconds of the last update's phases on replica 0 (pause, load, resume), single-rank
+        replicas only; TP replicas report the driver-side phases."""
+        if self.replicas[0].tp_size == 1:
+            return ray.get(self.replicas[0].leader.update_phases.remote())
+        return dict(self._last_phases)
+
+    def raw_broadcast_floor(self, sender, flat: torch.Tensor) -> float:
+        """Seconds for one plain broadcast of `flat` from the sender to every shard."""
+        t0 = time.perf_counter()
+        refs = [s.receive_raw.remote(flat.numel(), flat.dtype) for s in self._shards()]
+        sender.group.broadcast(flat, src=0)
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        ray.get(refs)
+        return time.perf_counter() - t0
+
     # ---- pause → load everywhere → commit → resume ---------------------------------------------
     def _update(self, kind: str, payload, version: Optional[int], allow_partial: bool,
                 pause_mode: Optional[str]) -> int:
         new_version = self._weight_version + 1 if version is None else int(version)
+        if all(r.tp_size == 1 for r in self.replicas):
+            return self._update_single_rank(kind, payload, new_version, allow_partial, pause_mode)
         leaders = [r.leader for r in self.replicas]
+        t0 = time.perf_counter()
         ray.get([lead.pause.remote(pause_mode) for lead in leaders])
+        t1 = time.perf_counter()
         try:
             errors = self._apply_everywhere(kind, payload, allow_partial)
             if errors:
@@ -78,8 +103,26 @@ class ControllerWeightsMixin:
             ray.get([lead.commit_weights.remote(new_version) for lead in leaders])
             self._weight_version = new_version
         finally:
+            t2 = time.perf_counter()
             ray.get([lead.resume.remote() for lead in leaders])
+            self._last_phases = {"pause": t1 - t0, "load": t2 - t1, "resume": time.perf_counter() - t2}
         return new_version
+
+    def _update_single_rank(self, kind: str, payload, version: int, allow_partial: bool,
+                            pause_mode: Optional[str]) -> int:
+        """Replicas of one rank: one call each does pause → load → commit → resume."""
+        refs = [r.leader.update_weights.remote(kind, payload, allow_partial, pause_mode, version)
+                for r in self.replicas]
+        errors = []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
+                errors.append(_unwrap(e))
+        if errors:
+            raise errors[0]
+        self._weight_version = version
+        return version
 
     def _apply_everywhere(self, kind: str, payload, allow_partial: bool) -> list[BaseException]:
         """Every shard loads; a replica with any shard left incomplete is told to refuse."""

@@ -101,11 +101,26 @@ class RolloutShard:
         self.updater.validate(list(specs), allow_partial)
 
     def apply_weights(self, kind: str, payload, allow_partial: bool = False) -> int:
-        """Load an update into this rank's shard. Tensor updates come as (meta, ObjectRef) pairs:
-        the bytes are fetched here from the object store (zero-copy on a CPU node)."""
-        if kind == "tensor":
-            payload = [Bucket(meta, ray.get(ref)) for meta, ref in payload]
-        return apply_update(self.updater, kind, payload, allow_partial)
+        """Load an update into this rank's shard (the leader is paused by the controller)."""
+        return apply_update(self.updater, kind, _fetched(kind, payload), allow_partial)
+
+    def update_weights(self, kind: str, payload, allow_partial: bool, pause_mode: Optional[str],
+                       version: int) -> int:
+        """A replica of one rank: pause → load → commit → resume in one call."""
+        payload = _fetched(kind, payload)
+        return self._leader().update_weights(
+            lambda: apply_update(self.updater, kind, payload, allow_partial), version, pause_mode)
+
+    def update_phases(self) -> dict:
+        return dict(self._leader().last_update_phases)
+
+    def touch(self, refs) -> int:
+        """Benchmarks: fetch objects from the store (the tensor transport's floor)."""
+        return sum(ray.get(r).numel() for r in refs)
+
+    def receive_raw(self, numel: int, dtype) -> float:
+        """Benchmarks: one plain broadcast into this rank (the nccl transport's floor)."""
+        return self.updater.receive_raw(numel, dtype)
 
     def incomplete_reason(self) -> Optional[str]:
         return self.updater.incomplete_reason
@@ -142,6 +157,14 @@ class RolloutShard:
                 return
         self.follower = None
         destroy_tp_group()
+
+
+def _fetched(kind: str, payload):
+    """Tensor updates come as (meta, ObjectRef) pairs: the bytes are fetched here from the
+    object store (zero-copy on a CPU node)."""
+    if kind == "tensor":
+        return [Bucket(meta, ray.get(ref)) for meta, ref in payload]
+    return payload
 
 
 # A threaded actor: status()/shutdown() and weight updates run while generate() is busy.

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(title="commands")
     _demo_parser(sub)
     _generate_parser(sub)
-    _bench_parser(sub)
+    _plugin_parsers(sub)
     return p
 
 
@@ -108,14 +108,12 @@ def _output_record(o) -> dict:
             "token_weight_versions": o.token_weight_versions, "text": o.text}
 
 
-def _bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(title="benchmarks")
-    try:
-        from rollout.bench_cli import add_weight_sync_parser
-    except ImportError:
-        return
-    add_weight_sync_parser(bsub)
+def _plugin_parsers(sub) -> None:
+    """Commands of other packages (`bench` comes from actors) through the `rollout.cli`
+    entry-point group, so rollout never imports them."""
+    from importlib.metadata import entry_points
+    for ep in entry_points(group="rollout.cli"):
+        ep.load()(sub)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ WeightUpdater, bumps the version, and resumes. A failed transfer aborts the in-f
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -22,6 +23,8 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 class EngineWeightsMixin:
     """Mixed into Engine; uses its `updater`, `gate`, `scheduler` and `config`."""
 
+    last_update_phases: dict = {}
+
     @property
     def weight_version(self) -> int:
         return self.scheduler.weight_version
@@ -38,15 +41,18 @@ class EngineWeightsMixin:
         weights = list(weights)
         if weights and not isinstance(weights[0], Bucket):
             weights = pack_buckets(weights, device=torch.device("cpu")) if weights else []
-        return self._update(lambda: self.updater.from_buckets(weights, allow_partial), version, pause_mode)
+        return self.update_weights(lambda: self.updater.from_buckets(weights, allow_partial), version,
+                                   pause_mode)
 
     def update_weights_from_disk(self, path: Union[str, Path], *, version: Optional[int] = None,
                                  allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
-        return self._update(lambda: self.updater.from_disk(path, allow_partial), version, pause_mode)
+        return self.update_weights(lambda: self.updater.from_disk(path, allow_partial), version,
+                                   pause_mode)
 
     def update_weights_from_ipc(self, handles: Sequence[IpcHandle], *, version: Optional[int] = None,
                                 allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
-        return self._update(lambda: self.updater.from_ipc(handles, allow_partial), version, pause_mode)
+        return self.update_weights(lambda: self.updater.from_ipc(handles, allow_partial), version,
+                                   pause_mode)
 
     @property
     def num_weight_sync_ranks(self) -> int:
@@ -64,19 +70,29 @@ class EngineWeightsMixin:
     def update_weights_from_distributed(self, manifest: UpdateManifest, *, version: Optional[int] = None,
                                         allow_partial: bool = False,
                                         pause_mode: Optional[str] = None) -> int:
-        return self._update(lambda: self.updater.from_distributed(manifest, allow_partial), version,
-                            pause_mode)
+        return self.update_weights(lambda: self.updater.from_distributed(manifest, allow_partial),
+                                   version, pause_mode)
 
     # ---- pause → update → resume --------------------------------------------------------------
-    def _update(self, load: Callable[[], int], version: Optional[int], pause_mode: Optional[str]) -> int:
+    def update_weights(self, load: Callable[[], int], version: Optional[int] = None,
+                       pause_mode: Optional[str] = None) -> int:
+        """pause → `load()` → commit the new version → resume; returns the version. The seconds
+        of each phase are kept in `last_update_phases`."""
         new_version = self.weight_version + 1 if version is None else int(version)
-        with self.paused(pause_mode):
-            try:
-                load()
-            except WeightUpdateError:
-                self.abort_if_incomplete()
-                raise
+        t0 = time.perf_counter()
+        self.pause_generation(pause_mode)
+        t1 = time.perf_counter()
+        try:
+            load()
             self.commit_weight_version(new_version)
+        except WeightUpdateError:
+            self.abort_if_incomplete()
+            raise
+        finally:
+            t2 = time.perf_counter()
+            self.resume_generation()
+            self.last_update_phases = {"pause": t1 - t0, "load": t2 - t1,
+                                       "resume": time.perf_counter() - t2}
         return new_version
 
     # The steps of an update, for a controller that drives several shards through them.

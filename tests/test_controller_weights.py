@@ -25,11 +25,12 @@ pytestmark = pytest.mark.ray
 ARCH = "LlamaForCausalLM"
 
 
-@pytest.fixture(scope="module")
-def ctl(tiny_dirs):
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2xdp1", "tp1xdp2"])
+def ctl(tiny_dirs, request):
+    tp_size, num_replicas = request.param
     with local_ray(num_cpus=4):
-        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096, tp_size=2)
-        with RolloutController(cfg, num_replicas=1) as controller:
+        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096, tp_size=tp_size)
+        with RolloutController(cfg, num_replicas=num_replicas) as controller:
             yield controller
 
 
@@ -48,7 +49,8 @@ def test_push_into_tp2_replica(ctl, trainer, transport):
     start = ctl.weight_version
     perturb(trainer, seed=21)
     assert sender.push(trainer.named_parameters()) == start + 1 == ctl.weight_version
-    assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
+    for replica in range(ctl.num_replicas):
+        assert (ctl.prefill_logits(PROMPTS, replica) - hf_logits(trainer)).abs().max() <= 1e-5
     out = ctl.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))[0]
     assert out.token_weight_versions == [start + 1] * 2
     sender.close()
@@ -104,7 +106,7 @@ def test_update_while_64_requests_generate(ctl, trainer, mode):
 
 
 def _leader_steps(ctl) -> int:
-    return ctl.status()[0]["shards"][0]["stats"]["steps"]
+    return sum(r["shards"][0]["stats"]["steps"] for r in ctl.status())
 
 
 def test_trainer_killed_mid_broadcast(ctl, trainer, tiny_dirs):

@@ -46,13 +46,21 @@ class WeightSyncGroup:
         self._store = store
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> "PendingBroadcast":
+        """Start a broadcast; `.wait()` on the result before reading (receiver) or reusing
+        (sender) `tensor`. On NCCL the wait only orders the current stream after it."""
         try:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = src, 0
-            self.pg.broadcast([tensor], opts).wait()
+            return PendingBroadcast(self, self.pg.broadcast([tensor], opts), tensor)
         except Exception as e:  # noqa: BLE001
-            raise WeightSyncGroupError(f"broadcast in weight-sync group {self.addr.group_name!r} failed "
-                                       f"(peer gone or timed out after {self.addr.timeout_s}s): {e}") from e
+            raise self._error(e) from e
+
+    def _error(self, e: BaseException) -> "WeightSyncGroupError":
+        return WeightSyncGroupError(f"broadcast in weight-sync group {self.addr.group_name!r} failed "
+                                    f"(peer gone or timed out after {self.addr.timeout_s}s): {e}")
 
     def destroy(self) -> None:
         self.pg = None
@@ -71,3 +79,15 @@ def _make_pg(store, rank: int, addr: GroupAddress, timeout: datetime.timedelta):
 
 def local_host() -> str:
     return socket.gethostname()
+
+
+class PendingBroadcast:
+    def __init__(self, group: WeightSyncGroup, work, tensor: torch.Tensor):
+        self.group, self.work, self.tensor = group, work, tensor
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self.group._error(e) from e  # noqa: SLF001
+        return self.tensor

@@ -99,9 +99,16 @@ class WeightSender:
         t0 = time.perf_counter()
         receiver = _Call(lambda: self.target.update_weights_from_distributed(
             manifest, version=version, allow_partial=allow_partial))
-        for meta in manifest.buckets:
-            self.group.broadcast(pack(meta, tensors, device).flat, src=0)
-        result = receiver.join()
+        in_flight: list = []
+        try:
+            for meta in manifest.buckets:  # pack bucket i+1 while bucket i is on the wire
+                if len(in_flight) == 2:
+                    in_flight.pop(0).wait()
+                in_flight.append(self.group.broadcast_async(pack(meta, tensors, device).flat, src=0))
+            for pending in in_flight:
+                pending.wait()
+        finally:
+            result = receiver.join()
         self.last.transfer = time.perf_counter() - t0
         return result
 

@@ -102,17 +102,34 @@ class WeightUpdater:
             raise WeightUpdateError("no weight-sync group: call init_weights_update_group first")
         self.validate(manifest.specs(), allow_partial)
         self._begin(allow_partial)
-        count = 0
+        count, buckets, i = 0, manifest.buckets, 0
         try:
-            for i, meta in enumerate(manifest.buckets):
-                flat = torch.empty(meta.numel, dtype=meta.dtype, device=self.target.device)
-                self.group.broadcast(flat, src=0)
+            # double buffer: bucket i+1 is on the wire while bucket i is checked and loaded
+            pending = self._receive(buckets[0]) if buckets else None
+            for i, meta in enumerate(buckets):
+                flat = pending.wait()
+                pending = self._receive(buckets[i + 1]) if i + 1 < len(buckets) else None
                 self._check_bytes(meta, flat)
                 count += self.target.load_weights(views(meta, flat))
         except (WeightSyncGroupError, WeightUpdateError) as e:
             self._fail(f"broadcast update stopped at bucket {i + 1}/{len(manifest.buckets)}: {e}")
             raise WeightUpdateError(self.incomplete_reason) from e
         return self._done(count, allow_partial)
+
+    def _receive(self, meta: BucketMeta):
+        flat = torch.empty(meta.numel, dtype=meta.dtype, device=self.target.device)
+        return self.group.broadcast_async(flat, src=0)
+
+    def receive_raw(self, numel: int, dtype: torch.dtype) -> float:
+        """Benchmarks: one plain broadcast of `numel` elements into this shard (the wire floor);
+        returns the seconds this side waited."""
+        import time
+        flat = torch.empty(numel, dtype=dtype, device=self.target.device)
+        t0 = time.perf_counter()
+        self.group.broadcast(flat, src=0)
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        return time.perf_counter() - t0
 
     # ---- the write phase ---------------------------------------------------------------------
     def _load(self, weights, allow_partial: bool) -> int:
