@@ -7,7 +7,9 @@ replica per generate; the replicas' leaders run every step themselves.
 
 Seeds: a prompt without a seed gets one here, from `random.Random(config.seed)` drawn exactly as
 a single Engine draws it (rollout.request_builder.resolve_seed), so the controller's outputs
-equal one Engine's for the same config and calls, whatever the number of replicas."""
+equal one Engine's for the same config and calls, whatever the number of replicas.
+
+A replica whose shard dies mid-call is rebuilt and its prompts re-run elsewhere (actors/recovery.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +25,19 @@ import ray
 
 from actors import cluster
 from actors.controller_weights import ControllerWeightsMixin
-from actors.health import replica_status
+from actors.health import replica_status, replica_status_unavailable
 from actors.placement import bundle_resource, node_capacities, plan_replica_nodes
+from actors.recovery import ALIVE, REBUILDING, RecoveryMixin
 from actors.replica import Replica, check_tp_size
 from rollout.config import EngineConfig, ModelConfig
-from rollout.errors import ConfigError, EngineNotReadyError, InvalidRequestError
+from rollout.errors import ConfigError, EngineNotReadyError, InvalidRequestError, RolloutError
+from rollout.memory import MEMORY_TAGS, check_memory_tags
 from rollout.outputs import GenerateOutput
 from rollout.request_builder import ParamsArg, Prompt, check_prompt_list, params_list, resolve_seed
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+REBUILD_JOIN_S = 30.0  # shutdown waits this long for a replica being rebuilt
 
 
 @dataclass
@@ -42,6 +47,20 @@ class _Part:
     replica: int
     indices: list[int] = field(default_factory=list)  # global prompt index of each prompt
     cost: int = 0
+    attempt: int = 0  # > 0: a re-run after its replica failed
+
+
+@dataclass
+class _Call:
+    """One generate call in flight: its inputs, what came back so far, and its future."""
+
+    prompts: Sequence[Prompt]
+    params: list[SamplingParams]
+    progress: Optional[bool]
+    left: int = 0
+    outs: list[GenerateOutput] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    result: Future = field(default_factory=Future)
 
 
 def work_estimate(prompt: Prompt, sp: SamplingParams) -> int:
@@ -49,7 +68,7 @@ def work_estimate(prompt: Prompt, sp: SamplingParams) -> int:
     return sp.n * (len(prompt) + sp.max_new_tokens)
 
 
-class RolloutController(ControllerWeightsMixin):
+class RolloutController(ControllerWeightsMixin, RecoveryMixin):
     def __init__(self, config: Optional[EngineConfig] = None, num_replicas: int = 1, *,
                  address: Optional[str] = None, placement_timeout_s: float = 60.0,
                  start_timeout_s: float = 600.0, dist_timeout_s: float = 120.0, **overrides: Any):
@@ -61,24 +80,34 @@ class RolloutController(ControllerWeightsMixin):
         self._owns_ray = cluster.connect(address, min_cpus=num_replicas * self.config.tp_size)
         self.replicas: list[Replica] = []
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # replica state changes (recovery)
+        self._weights_lock = threading.RLock()  # weight updates, memory release, a rebuild's catch-up
         self._rng = random.Random(self.config.seed)
         self._outstanding = [0] * num_replicas
+        self._state = [ALIVE] * num_replicas  # alive | rebuilding | stale | dead (actors/recovery.py)
+        self._restarts = [0] * num_replicas
+        self._last_failure: list[Optional[str]] = [None] * num_replicas
+        self._recovery_threads: list[threading.Thread] = []
         self._weight_version = 0
+        self._weights_updated = False  # has any update landed (else the checkpoint is the latest)
+        self._released: set[str] = set()  # memory tags released on every replica
+        self._placement_timeout_s, self._start_timeout_s = placement_timeout_s, start_timeout_s
+        self._dist_timeout_s = dist_timeout_s
         self._closed = False
         try:
-            self._start_replicas(num_replicas, placement_timeout_s, start_timeout_s, dist_timeout_s)
+            self._start_replicas(num_replicas)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_replicas(self, num: int, placement_s: float, start_s: float, dist_s: float) -> None:
+    def _start_replicas(self, num: int) -> None:
         resource = bundle_resource(self.config)
         plan = plan_replica_nodes(num, self.config.tp_size, resource, node_capacities(resource))
         for i, node in enumerate(plan):
-            self.replicas.append(Replica(i, self.config, node, placement_timeout_s=placement_s,
-                                         dist_timeout_s=dist_s))
+            self.replicas.append(Replica(i, self.config, node, placement_timeout_s=self._placement_timeout_s,
+                                         dist_timeout_s=self._dist_timeout_s))
         for replica in self.replicas:  # they load in parallel; this only waits
-            replica.wait_ready(start_s)
+            replica.wait_ready(self._start_timeout_s)
         logger.info("%d replica(s) of tp_size=%d ready", num, self.config.tp_size)
 
     @property
@@ -99,13 +128,17 @@ class RolloutController(ControllerWeightsMixin):
         self._check_open()
         if unknown:
             raise InvalidRequestError(f"unknown generate() argument(s) {sorted(unknown)}")
+        if self._released:
+            raise EngineNotReadyError(f"memory {sorted(self._released)} is released (release_memory); "
+                                      f"call resume_memory(tags={tuple(sorted(self._released))}) first")
         check_prompt_list(prompts)
         params = self._seeded(params_list(sampling_params, len(prompts)))
+        call = _Call(prompts, params, progress)
         parts = self._assign(prompts, params)
-        refs = [self.replicas[p.replica].generate([prompts[i] for i in p.indices],
-                                                  [params[i] for i in p.indices], progress=progress)
-                for p in parts]
-        return self._gather(parts, refs)
+        call.left = len(parts)
+        for part in parts:
+            self._dispatch(call, part)
+        return call.result
 
     async def agenerate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None,
                         **kw: Any) -> list[GenerateOutput]:
@@ -117,57 +150,115 @@ class RolloutController(ControllerWeightsMixin):
             return [dataclasses.replace(sp, seed=resolve_seed(sp, self._rng)) for sp in params]
 
     def _assign(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[_Part]:
-        """Each prompt (with all its n samples) to the replica with the least outstanding work."""
-        with self._lock:
-            load, parts = list(self._outstanding), {}
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                r = min(range(len(load)), key=load.__getitem__)
-                cost = work_estimate(prompt, sp)
-                load[r] += cost
-                part = parts.setdefault(r, _Part(r))
-                part.indices.append(i)
-                part.cost += cost
-            for part in parts.values():
-                self._outstanding[part.replica] += part.cost
-            return list(parts.values())
+        """Each prompt (with all its n samples) to the alive replica with the least outstanding
+        work (waiting while every replica is being rebuilt)."""
+        while True:
+            self._pick_alive()
+            with self._lock:
+                alive = [i for i, s in enumerate(self._state) if s == ALIVE]
+                if not alive:  # one failed just now: wait again
+                    continue
+                load, parts = list(self._outstanding), {}
+                for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                    r = min(alive, key=load.__getitem__)
+                    cost = work_estimate(prompt, sp)
+                    load[r] += cost
+                    part = parts.setdefault(r, _Part(r))
+                    part.indices.append(i)
+                    part.cost += cost
+                for part in parts.values():
+                    self._outstanding[part.replica] += part.cost
+                return list(parts.values())
 
-    def _gather(self, parts: list[_Part], refs: list[ray.ObjectRef]) -> "Future[list[GenerateOutput]]":
-        """One future for the whole call, resolved when every part is back (so the books are
-        settled when the caller sees it): the outputs in input order, or the first error."""
-        result: Future = Future()
-        outs: list[GenerateOutput] = []
-        errors: list[BaseException] = []
-        left = [len(parts)]
+    def _dispatch(self, call: _Call, part: _Part) -> None:
+        """One Ray call for the part (its cost is booked already); the outcome comes back to
+        `_on_part_done`."""
+        try:
+            ref = self.replicas[part.replica].generate(
+                [call.prompts[i] for i in part.indices], [call.params[i] for i in part.indices],
+                progress=call.progress)
+        except Exception as e:  # noqa: BLE001 — e.g. the replica was torn down just now
+            failed: Future = Future()
+            failed.set_exception(e)
+            self._on_part_done(call, part, failed)
+            return
+        ref.future().add_done_callback(lambda fut: self._on_part_done(call, part, fut))
 
-        def on_done(part: _Part, fut: Future) -> None:
-            with self._lock:  # settle the books; resolve `result` outside the lock
-                self._outstanding[part.replica] -= part.cost
-                left[0] -= 1
-                if fut.exception() is not None:
-                    errors.append(fut.exception())
-                else:
-                    outs.extend(_reindexed(fut.result(), part.indices))
-                if left[0]:
-                    return
-            if errors:
-                result.set_exception(errors[0])
+    def _on_part_done(self, call: _Call, part: _Part, fut: Future) -> None:
+        err = fut.exception()
+        if err is not None and not isinstance(err, RolloutError) and not self._closed:
+            # maybe a dead shard: probing and re-running are blocking Ray calls, so not on Ray's
+            # callback thread
+            threading.Thread(target=self._recover_part, args=(call, part, err), daemon=True,
+                             name=f"recover-part-{part.replica}").start()
+            return
+        self._settle(call, part, err, None if err is not None else fut.result())
+
+    def _settle(self, call: _Call, part: _Part, err: Optional[BaseException],
+                outs: Optional[list[GenerateOutput]]) -> None:
+        """Book a finished part; the call's future resolves when every part is back (so the
+        books are settled when the caller sees it): outputs in input order, or the first error."""
+        with self._lock:  # resolve `call.result` outside the lock
+            self._outstanding[part.replica] -= part.cost
+            call.left -= 1
+            if err is not None:
+                call.errors.append(err)
             else:
-                result.set_result(sorted(outs, key=lambda o: (o.prompt_index, o.sample_index)))
-
-        for part, ref in zip(parts, refs):
-            ref.future().add_done_callback(lambda f, part=part: on_done(part, f))
-        return result
+                for o in _reindexed(outs, part.indices):
+                    o.rerun_after_failure = part.attempt > 0
+                    call.outs.append(o)
+            if call.left:
+                return
+        if call.errors:
+            call.result.set_exception(call.errors[0])
+        else:
+            call.result.set_result(sorted(call.outs, key=lambda o: (o.prompt_index, o.sample_index)))
 
     def prefill_logits(self, prompts: Sequence[Sequence[int]], replica: int = 0):
         """Last-token logits of a fresh prefill on one replica (see Engine.prefill_logits)."""
         return ray.get(self.replicas[replica].leader.prefill_logits.remote(prompts))
 
+    # ---- memory release / resume (colocated training) -----------------------------------------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Engine.release_memory on every shard: leaders first (each waits for its generation,
+        then refuses work), then followers. generate() raises EngineNotReadyError until
+        resume_memory; released weights also need a full weight update after it."""
+        tags = check_memory_tags(tags)
+        with self._weights_lock:
+            self._release_on(self._serving_replicas(), tags)
+            self._released.update(tags)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Followers first, then leaders (a leader may generate as soon as it is resumed)."""
+        tags = check_memory_tags(tags)
+        with self._weights_lock:
+            replicas = self._serving_replicas()
+            ray.get([s.resume_memory.remote(tags) for r in replicas for s in r.shards[1:]])
+            ray.get([r.leader.resume_memory.remote(tags) for r in replicas])
+            self._released.difference_update(tags)
+
+    def _release_on(self, replicas: list[Replica], tags: Sequence[str]) -> None:
+        ray.get([r.leader.release_memory.remote(tags) for r in replicas])
+        ray.get([s.release_memory.remote(tags) for r in replicas for s in r.shards[1:]])
+
     # ---- health and teardown ----------------------------------------------------------------
     def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        """One record per replica: index, node_id, tp_size, alive, outstanding_work, shards."""
+        """One record per replica: index, node_id, tp_size, alive, outstanding_work, shards,
+        error, and the recovery view: state (alive | rebuilding | stale | dead), restarts and
+        last_failure. `alive` is true only for a replica in state alive whose shards all answer."""
         with self._lock:
-            load = list(self._outstanding)
-        return [replica_status(r, load[r.index], timeout_s) for r in self.replicas]
+            rows = list(zip(self.replicas, self._outstanding, self._state, self._restarts,
+                            self._last_failure))
+        out = []
+        for replica, load, state, restarts, failure in rows:
+            if state == REBUILDING:
+                record = replica_status_unavailable(replica, load, "being rebuilt")
+            else:
+                record = replica_status(replica, load, timeout_s)
+            record.update(state=state, restarts=restarts, last_failure=failure,
+                          alive=record["alive"] and state == ALIVE)
+            out.append(record)
+        return out
 
     def _check_open(self) -> None:
         if self._closed:
@@ -177,9 +268,14 @@ class RolloutController(ControllerWeightsMixin):
         """Destroy every replica (shards killed, placement groups removed). Idempotent. If this
         controller started Ray itself it stops it too (so start Ray first, e.g. with
         actors.cluster.connect(), when several controllers share one session)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+            rebuilds = list(self._recovery_threads)
+        for thread in rebuilds:  # a rebuild that finishes now destroys what it made
+            thread.join(timeout=REBUILD_JOIN_S)
         for replica in self.replicas:
             replica.destroy()
         self.replicas = []

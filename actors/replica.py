@@ -98,11 +98,12 @@ class Replica:
         return ray.get([s.status.remote() for s in self.shards], timeout=timeout_s)
 
     # ---- teardown ---------------------------------------------------------------------------
-    def destroy(self, timeout_s: float = 10.0) -> None:
+    def destroy(self, timeout_s: float = 10.0, graceful: bool = True) -> None:
         """Stop the leader (which releases the followers), kill every shard, remove the
-        placement group. Safe to call twice and on a half-made replica."""
+        placement group. Safe to call twice and on a half-made replica. `graceful=False` (a
+        failed replica) skips the leader's stop and just kills."""
         if self.shards:
-            if self.ready:
+            if self.ready and graceful:
                 self._stop_leader(timeout_s)
             self.ready = False
             for shard in self.shards:

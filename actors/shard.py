@@ -18,6 +18,8 @@ import torch
 from rollout.config import EngineConfig
 from rollout.distributed import (LOOPBACK, default_backend, destroy_tp_group, free_port,
                                  init_tp_group, tcp_init_method)
+from rollout.engine import WEIGHTS_RELEASED
+from rollout.model_runner import ModelRunner
 from rollout.tp_worker import TPFollower, TPLeaderEngine
 from weight_sync.bucket import Bucket
 from weight_sync.updater import WeightUpdater, apply_update
@@ -131,12 +133,47 @@ class RolloutShard:
     def leave_weight_group(self) -> None:
         self.updater.leave_group()
 
+    # ---- a rebuilt replica catches up: each shard copies the same rank of a healthy replica ----
+    def export_local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (CPU copies; Ray stores the dict in the object store)."""
+        return self._runner().export_weights()
+
+    def import_local_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """Copy the same rank's `export_local_weights()` of another replica in place."""
+        return self._runner().import_weights(weights)
+
+    # ---- memory release / resume (colocated training) ---------------------------------------
+    def release_memory(self, tags) -> None:
+        """Leader: waits for its generation, then refuses work until resumed (and, for weights,
+        until a full update). The controller releases leaders before followers."""
+        if self.engine is not None:
+            self.engine.release_memory(tags)
+            return
+        self.follower.runner.release_memory(tags)
+        if "weights" in self.follower.runner.released:
+            self.updater.mark_incomplete(WEIGHTS_RELEASED, log=False)
+
+    def resume_memory(self, tags) -> None:
+        if self.engine is not None:
+            self.engine.resume_memory(tags)
+        else:
+            self.follower.runner.resume_memory(tags)
+
+    def _runner(self) -> ModelRunner:
+        if self.engine is not None:
+            return self.engine.runner
+        if self.follower is not None:
+            return self.follower.runner
+        raise RuntimeError(f"rank {self.rank} is not set up")
+
     # ---- control ----------------------------------------------------------------------------
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "node_id": self.node_id()}
+        if self.engine is not None or self.follower is not None:
+            out["released"] = sorted(self._runner().released)  # memory tags freed (release_memory)
         if self.engine is not None:
             out.update(weight_version=self.engine.weight_version,
                        stats=dataclasses.asdict(self.engine.stats))

@@ -34,6 +34,9 @@ for stage in "$@"; do
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \
               --repeats 1 --skip-hf --out "$OUT/decode_quick.json" ;;
+    parity) run parity 500 python3 benchmarks/gpu_parity.py --out "$OUT/parity.json" ;;
+    wsync) run wsync 540 python3 benchmarks/gpu_weight_sync.py --out "$OUT/weight_sync_check.json" \
+              --bench-out "$OUT" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -11,7 +11,10 @@ request row 0 with seq_len 1 and write their KV to slot 0, the dummy slot nobody
 real token; they never touch req_to_token, which the ModelRunner writes from the real batch
 outside the graph. Their logits are dropped.
 
-Weights are updated in place (`copy_`), so the graphs stay valid across weight updates."""
+Weights are updated in place (`copy_`), so the graphs stay valid across weight updates. Releasing
+memory (ModelRunner.release_memory) is the exception: the freed KV and weight storages come back
+at new addresses, so `release()` drops the graphs (freeing their pool) and `recapture()` captures
+them again on resume."""
 from __future__ import annotations
 
 import bisect
@@ -71,12 +74,23 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
+        self.enabled = True
         try:
             self.backend.init_cuda_graph_state(self.max_bs)
         except NotImplementedError as e:
             logger.warning("CUDA graphs disabled: %s (decode runs eagerly)", e)
+            self.enabled = False
             return
         self.capture()
+
+    def release(self) -> None:
+        """Drop every graph and its outputs (their private pool is freed with them)."""
+        self.graphs.clear()
+        self.outputs.clear()
+
+    def recapture(self) -> None:
+        if self.enabled and not self.graphs:
+            self.capture()
 
     # ---- capture --------------------------------------------------------------------------
     @torch.inference_mode()

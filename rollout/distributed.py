@@ -5,15 +5,19 @@ can hold several engines and a test can build a sharded layer without any distri
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from rollout.errors import DistributedInitError
+from weight_sync.process_group import is_loopback, listening_store
 
 LOOPBACK = "127.0.0.1"
 # The metadata group waits as long as the leader is idle (between generate calls, during
@@ -94,9 +98,12 @@ def init_tp_group(rank: int, size: int, init_method: str, backend: str = "gloo",
         raise DistributedInitError("this process already has a default process group; "
                                    "one TP shard per process")
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=METADATA_TIMEOUT)
+        host, port = _tcp_address(init_method)
+        store = (listening_store(host, port, size, timeout) if rank == 0 else
+                 dist.TCPStore(host, port, size, is_master=False, timeout=timeout))
+        with _gloo_on_loopback(is_loopback(host)):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+            cpu_group = dist.new_group(backend="gloo", timeout=METADATA_TIMEOUT)
     except Exception as e:  # DistStoreError / DistNetworkError / RuntimeError from c10d
         destroy_tp_group()
         raise DistributedInitError(
@@ -104,6 +111,33 @@ def init_tp_group(rank: int, size: int, init_method: str, backend: str = "gloo",
             f"{timeout.total_seconds():.0f}s: {e}. Check that all {size} ranks started and can "
             "reach the leader's port.") from e
     return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def _tcp_address(init_method: str) -> tuple[str, int]:
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return url.hostname, url.port
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(loopback: bool) -> Iterator[None]:
+    """Gloo picks its listening interface from $GLOO_SOCKET_IFNAME (else the hostname's
+    address): for a group whose rendezvous is on loopback, point it at the loopback interface
+    while the groups are made, so nothing of a TP group listens beyond this host."""
+    names = {name for _, name in socket.if_nameindex()} if loopback else set()
+    iface = next((n for n in ("lo", "lo0") if n in names), None)
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    if iface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    try:
+        yield
+    finally:
+        if iface is not None:
+            if old is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
 def destroy_tp_group() -> None:

@@ -15,6 +15,7 @@ from rollout.batch_builder import build_batch
 from rollout.errors import EngineNotReadyError, InvalidRequestError, KVCacheBudgetError
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
+from rollout.memory import MEMORY_TAGS
 from rollout.model_runner import ModelRunner
 from rollout.outputs import GenerateOutput
 from rollout.progress import progress_bar
@@ -26,6 +27,9 @@ from rollout.step_gate import StepGate
 from weight_sync.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
+
+WEIGHTS_RELEASED = ("the weights were released by release_memory and are undefined after "
+                    "resume_memory; push a full weight update")
 
 
 class Engine(EngineWeightsMixin):
@@ -42,7 +46,8 @@ class Engine(EngineWeightsMixin):
         limits = PromptLimits(self.model_config.vocab_size, self.runner.max_context_len,
                               self.runner.num_token_slots - 1)
         self._requests = RequestBuilder(limits, self.tokenizer, config.seed)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one generation at a time
+        self._weights_lock = threading.RLock()  # weight updates vs. release/resume of memory
         self.gate = StepGate()
         self.updater = WeightUpdater(self.runner, check_finite=config.check_finite)
 
@@ -71,6 +76,7 @@ class Engine(EngineWeightsMixin):
         self._check_ready()
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
         with self._lock, self.gate.step():
+            self._check_ready()  # memory may have been released meanwhile
             alloc = self.scheduler.alloc
             rows = [alloc.alloc_row() for _ in ids]
             try:
@@ -107,6 +113,7 @@ class Engine(EngineWeightsMixin):
 
     def _run(self, reqs: list[Request], show: bool) -> Iterator[GenerateOutput]:
         with self._lock:
+            self._check_ready()  # memory may have been released meanwhile
             for r in reqs:
                 self.scheduler.add(r)
             with progress_bar(len(reqs), show) as bar:
@@ -125,8 +132,30 @@ class Engine(EngineWeightsMixin):
         return self.scheduler.abort(rid) is not None
 
     def _check_ready(self) -> None:
+        if self.runner is None:
+            raise EngineNotReadyError("this engine is shut down; create a new one")
+        if self.runner.released:
+            raise EngineNotReadyError(
+                f"memory {sorted(self.runner.released)} is released (release_memory); call "
+                f"resume_memory(tags={tuple(self.runner.released)}) before generating")
         if self.updater.incomplete_reason is not None:
             raise EngineNotReadyError(self.updater.incomplete_reason)
+
+    # ---- memory release / resume (colocated training) ------------------------------------------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the KV cache and/or the weights, e.g. while a colocated trainer needs the GPU.
+        Waits for a running generate() to end; until resume_memory, generate() raises
+        EngineNotReadyError. Released weights come back undefined, so from here on the engine
+        refuses to generate until a full weight update lands (release → train → resume → push)."""
+        with self._lock, self._weights_lock:
+            self.runner.release_memory(tags)
+            if "weights" in self.runner.released:
+                self.updater.mark_incomplete(WEIGHTS_RELEASED, log=False)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Re-allocate what release_memory freed (the KV cache zeroed; CUDA graphs re-captured)."""
+        with self._lock, self._weights_lock:
+            self.runner.resume_memory(tags)
 
     def shutdown(self) -> None:
         self.scheduler.abort_all()

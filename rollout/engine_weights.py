@@ -21,7 +21,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class EngineWeightsMixin:
-    """Mixed into Engine; uses its `updater`, `gate`, `scheduler` and `config`."""
+    """Mixed into Engine; uses its `updater`, `gate`, `scheduler`, `config` and `_weights_lock`."""
 
     last_update_phases: dict = {}
 
@@ -78,21 +78,22 @@ class EngineWeightsMixin:
                        pause_mode: Optional[str] = None) -> int:
         """pause → `load()` → commit the new version → resume; returns the version. The seconds
         of each phase are kept in `last_update_phases`."""
-        new_version = self.weight_version + 1 if version is None else int(version)
-        t0 = time.perf_counter()
-        self.pause_generation(pause_mode)
-        t1 = time.perf_counter()
-        try:
-            load()
-            self.commit_weight_version(new_version)
-        except WeightUpdateError:
-            self.abort_if_incomplete()
-            raise
-        finally:
-            t2 = time.perf_counter()
-            self.resume_generation()
-            self.last_update_phases = {"pause": t1 - t0, "load": t2 - t1,
-                                       "resume": time.perf_counter() - t2}
+        with self._weights_lock:  # never while release_memory/resume_memory reshape the weights
+            new_version = self.weight_version + 1 if version is None else int(version)
+            t0 = time.perf_counter()
+            self.pause_generation(pause_mode)
+            t1 = time.perf_counter()
+            try:
+                load()
+                self.commit_weight_version(new_version)
+            except WeightUpdateError:
+                self.abort_if_incomplete()
+                raise
+            finally:
+                t2 = time.perf_counter()
+                self.resume_generation()
+                self.last_update_phases = {"pause": t1 - t0, "load": t2 - t1,
+                                           "resume": time.perf_counter() - t2}
         return new_version
 
     # The steps of an update, for a controller that drives several shards through them.

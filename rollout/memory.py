@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout.errors import KVCacheBudgetError
+from rollout.errors import ConfigError, KVCacheBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,40 @@ class TokenToKVPool:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.k_buffers + self.v_buffers
+
+
+MEMORY_TAGS = ("kv_cache", "weights")
+StorageRecord = tuple[torch.Tensor, int]  # a tensor whose storage was freed, and its size in bytes
+
+
+def check_memory_tags(tags: Sequence[str]) -> list[str]:
+    """The tags as a list; a ConfigError for an unknown one or a bare string."""
+    if isinstance(tags, str) or not all(t in MEMORY_TAGS for t in tags):
+        raise ConfigError(f"memory tags must be a sequence drawn from {MEMORY_TAGS}, got {tags!r}")
+    return list(dict.fromkeys(tags))
+
+
+def free_storages(tensors: Iterable[torch.Tensor]) -> list[StorageRecord]:
+    """Free each tensor's memory by resizing its storage to 0 bytes. The tensor objects stay the
+    same (pools, attention backends and the model keep their references); only their memory
+    goes. Tensors sharing a storage (tied weights) are freed, and later restored, once."""
+    records = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            records.append((t, storage.nbytes()))
+            storage.resize_(0)
+    return records
+
+
+def restore_storages(records: Iterable[StorageRecord]) -> None:
+    """Re-allocate freed storages at their old size. Contents are undefined and the address may
+    change (so CUDA graphs that captured the old one must be captured again)."""
+    for t, nbytes in records:
+        t.untyped_storage().resize_(nbytes)
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -15,9 +15,10 @@ from rollout import loader
 from rollout.attention import create_backend
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
-from rollout.errors import CheckpointError, KVCacheBudgetError
+from rollout.errors import CheckpointError, EngineNotReadyError, KVCacheBudgetError, WeightUpdateError
 from rollout.forward_batch import ForwardBatch
-from rollout.memory import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token, kv_capacity_tokens
+from rollout.memory import (MEMORY_TAGS, ReqToTokenPool, StorageRecord, TokenToKVPool, check_memory_tags,
+                            free_storages, kv_bytes_per_token, kv_capacity_tokens, restore_storages)
 from rollout.models.registry import model_class
 from weight_sync.spec import TensorSpec
 from rollout.sampler import SampleOutput, sample
@@ -31,6 +32,7 @@ class ModelRunner:
         self.model_config, self.config, self.tp = model_config, config, tp
         self.device = _resolve_device(device or torch.device(config.device))
         self.dtype = config.torch_dtype
+        self.released: dict[str, list[StorageRecord]] = {}  # tag -> freed storages (release_memory)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_before = self._free_device_memory()
@@ -112,6 +114,8 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [rows, vocab] float32: one row per request (last token), or every token when
         `fb.return_all_logits`."""
+        if self.released:
+            raise EngineNotReadyError(f"memory {sorted(self.released)} is released; call resume_memory")
         fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
@@ -131,6 +135,7 @@ class ModelRunner:
     # ---- weights --------------------------------------------------------------------------
     def validate_weights(self, specs: Iterable[TensorSpec], error: type[Exception], *,
                          complete: bool = False, exact_dtype: bool = True) -> None:
+        self._check_weights_resident(error)
         self.model.weight_table.validate(specs, complete=complete, exact_dtype=exact_dtype, error=error)
 
     @torch.inference_mode()
@@ -139,6 +144,71 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return n
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of this shard's parameters (our names, this rank's slices): what a fresh
+        shard of the same rank and TP layout copies in with `import_weights` to catch up."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    @torch.inference_mode()
+    def import_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """Copy another shard's `export_weights()` in place (checked whole before any write)."""
+        self._check_weights_resident(WeightUpdateError)
+        params = dict(self.model.named_parameters())
+        if set(weights) != set(params):
+            diff = sorted(set(weights) ^ set(params))[:3]
+            raise WeightUpdateError(f"exported weights do not match this shard's parameters: {diff}")
+        for name, t in weights.items():
+            if t.shape != params[name].shape:
+                raise WeightUpdateError(f"exported {name!r} has shape {tuple(t.shape)}, this shard "
+                                        f"holds {tuple(params[name].shape)} (another TP layout?)")
+        for name, t in weights.items():
+            params[name].copy_(t)
+        return len(weights)
+
+    # ---- memory release / resume (colocated training) ----------------------------------------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the KV cache and/or the weights: their storages shrink to 0 bytes (the tensors
+        stay, so every reference stays valid). CUDA graphs are dropped first: they captured the
+        old addresses and hold a memory pool of their own; resume_memory captures them again."""
+        todo = [t for t in check_memory_tags(tags) if t not in self.released]
+        if not todo:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        for tag in todo:
+            self.released[tag] = free_storages(self._tensors_of(tag))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the memory back to the driver (and to a colocated trainer)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Re-allocate what release_memory freed. The KV cache comes back zeroed; weights come
+        back with undefined contents (the caller marks them incomplete until an update lands).
+        Once nothing is released, CUDA graphs are captured again."""
+        todo = [t for t in check_memory_tags(tags) if t in self.released]
+        if not todo:
+            return
+        for tag in todo:
+            restore_storages(self.released.pop(tag))
+        if not self.released and self.graph_runner is not None:
+            self.graph_runner.recapture()
+        # Padded rows and masked keys read the dummy slot 0: no garbage (nor NaNs from a capture
+        # warm-up on undefined weights) may stay in the pool.
+        if "kv_cache" not in self.released:
+            for t in self._tensors_of("kv_cache"):
+                t.zero_()
+
+    def _tensors_of(self, tag: str) -> list[torch.Tensor]:
+        if tag == "kv_cache":
+            return self.token_to_kv_pool.tensors() + [self.req_to_token_pool.req_to_token]
+        return list(self.model.parameters())
+
+    def _check_weights_resident(self, error: type[Exception]) -> None:
+        if "weights" in self.released:
+            raise error("the weights are released (release_memory); call "
+                        "resume_memory(tags=('weights',)) before loading weights into them")
 
 
 def _resolve_device(device: torch.device) -> torch.device:

@@ -33,6 +33,10 @@ class TinyModelSpec:
     llama3_rope_scaling: bool = False
     tie_word_embeddings: bool = False
     init_std: float = 0.05
+    # std of the embedding / LM head (default init_std). A larger one gives peaked next-token
+    # distributions, as trained models have, so greedy comparisons between two bf16
+    # implementations are not decided by rounding between near-tied logits.
+    embed_std: Optional[float] = None
     seed: int = 0
     dtype: str = "float32"  # of the saved tensors
 
@@ -104,7 +108,8 @@ def random_state_dict(spec: TinyModelSpec) -> Iterator[tuple[str, torch.Tensor]]
 
     h, d = spec.hidden_size, spec.resolved_head_dim
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
-    yield "model.embed_tokens.weight", normal(spec.vocab_size, h)
+    embed_scale = (spec.embed_std or spec.init_std) / spec.init_std
+    yield "model.embed_tokens.weight", normal(spec.vocab_size, h) * embed_scale
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", norm(h)
@@ -122,7 +127,7 @@ def random_state_dict(spec: TinyModelSpec) -> Iterator[tuple[str, torch.Tensor]]
         yield p + "mlp.down_proj.weight", normal(h, spec.intermediate_size)
     yield "model.norm.weight", norm(h)
     if not spec.tie_word_embeddings:
-        yield "lm_head.weight", normal(spec.vocab_size, h)
+        yield "lm_head.weight", normal(spec.vocab_size, h) * embed_scale
 
 
 def write_safetensors(out: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1) -> None:

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from weight_sync.errors import WeightUpdateError
 from weight_sync.spec import TensorSpec
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -101,8 +102,12 @@ def pack(meta: BucketMeta, tensors: dict[str, torch.Tensor], device: Optional[to
     first = tensors[meta.entries[0].name]
     flat = out if out is not None else torch.empty(meta.numel, dtype=meta.dtype,
                                                    device=device or first.device)
-    for e in meta.entries:
-        flat[e.offset:e.offset + e.numel].copy_(tensors[e.name].detach().reshape(-1), non_blocking=True)
+    srcs = [tensors[e.name].detach().reshape(-1) for e in meta.entries]
+    if all(t.device == flat.device for t in srcs):
+        torch.cat(srcs, out=flat)  # one multi-tensor kernel, not one copy per tensor
+    else:
+        for e, src in zip(meta.entries, srcs):
+            flat[e.offset:e.offset + e.numel].copy_(src, non_blocking=True)
     if with_checksum:
         meta = BucketMeta(meta.dtype_name, meta.numel, meta.entries, checksum(flat))
     return Bucket(meta, flat)
@@ -110,9 +115,21 @@ def pack(meta: BucketMeta, tensors: dict[str, torch.Tensor], device: Optional[to
 
 def pack_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  device: Optional[torch.device] = None, with_checksum: bool = False) -> list[Bucket]:
-    tensors = dict(named)
+    tensors = named_tensor_dict(named)
     specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     return [pack(m, tensors, device, with_checksum=with_checksum) for m in plan_buckets(specs, bucket_bytes)]
+
+
+def named_tensor_dict(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{name: tensor} from (name, tensor) pairs; a WeightUpdateError for anything else."""
+    try:
+        tensors = dict(named)
+    except (TypeError, ValueError) as e:
+        raise WeightUpdateError(f"weights must be (name, tensor) pairs: {e}") from None
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise WeightUpdateError(f"weights must be (name, tensor) pairs; got {name!r}: {type(t).__name__}")
+    return tensors
 
 
 def checksum(flat: torch.Tensor) -> int:

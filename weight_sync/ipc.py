@@ -1,7 +1,8 @@
 """Colocated transfer: the trainer exposes a bucket's memory, the shard maps it and copies.
 
 On GPU a CUDA IPC handle of the trainer's bucket (same device); on CPU a POSIX shared-memory
-block. Handles carry the host's boot id and are refused on any other host."""
+block. Handles carry the host's boot id and are refused on any other host; a CUDA handle is
+opened only through torch's own `rebuild_cuda_tensor` (the handle cannot name another function)."""
 from __future__ import annotations
 
 import os
@@ -80,10 +81,14 @@ class IpcImport:
             self.flat = self._open_shm(handle)
 
     def _open_cuda(self, handle: IpcHandle, device: torch.device) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        fn, args = handle.cuda
+        if fn is not rebuild_cuda_tensor:  # the handle names the function we call: only torch's
+            raise IpcHandleError(f"CUDA IPC handle asks to call {getattr(fn, '__name__', fn)!r}; only "
+                                 "torch's rebuild_cuda_tensor is accepted")
         if device.type != "cuda" or _device_uuid(device) != handle.device_uuid:
             raise IpcHandleError("CUDA IPC handle is for another GPU: the trainer must be colocated on "
                                  "the shard's GPU")
-        fn, args = handle.cuda
         return fn(*args)
 
     def _open_shm(self, handle: IpcHandle) -> torch.Tensor:

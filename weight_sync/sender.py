@@ -48,6 +48,8 @@ class WeightSender:
         self.sync_dir = Path(sync_dir or tempfile.mkdtemp(prefix="weight-sync-"))
         self.group: Optional[WeightSyncGroup] = None
         self.last = PushTimings()
+        self._manifest_key: Optional[tuple] = None
+        self._manifest: Optional[UpdateManifest] = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Optional[int] = None,
              allow_partial: bool = False) -> int:
@@ -91,11 +93,9 @@ class WeightSender:
 
     def _push_nccl(self, named, version, allow_partial) -> int:
         tensors = dict(named)
-        specs = specs_of(named)
-        self.target.check_weights_update(specs, allow_partial)  # fail before any byte moves
+        manifest = self._checked_manifest(specs_of(named), allow_partial)
         device = next(iter(tensors.values())).device
         self._ensure_group(device)
-        manifest = UpdateManifest(plan_buckets(specs, self.bucket_bytes))
         t0 = time.perf_counter()
         receiver = _Call(lambda: self.target.update_weights_from_distributed(
             manifest, version=version, allow_partial=allow_partial))
@@ -113,6 +113,17 @@ class WeightSender:
         return result
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _checked_manifest(self, specs, allow_partial: bool) -> UpdateManifest:
+        """The bucket plan, validated by the target before any byte moves (a receiver that
+        refused mid-broadcast would leave the sender waiting). Pushes of an unchanged layout —
+        every RL step — reuse both: validation is one RPC per layout, not per push."""
+        key = (tuple(specs), allow_partial, self.bucket_bytes)
+        if self._manifest_key != key:
+            self.target.check_weights_update(specs, allow_partial)
+            self._manifest = UpdateManifest(plan_buckets(specs, self.bucket_bytes))
+            self._manifest_key = key
+        return self._manifest
+
     def _timed(self, fn) -> int:
         t0 = time.perf_counter()
         out = fn()
@@ -123,6 +134,8 @@ class WeightSender:
         if self.group is not None:
             return
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds this rank to the tensors' GPU
         world = 1 + self.target.num_weight_sync_ranks
         addr = GroupAddress(self.host, free_port(self.host), world, backend, timeout_s=self.group_timeout_s)
         joiner = _Call(lambda: self.target.init_weights_update_group(addr, 1))

@@ -45,6 +45,9 @@ class WeightUpdater:
                                      exact_dtype=exact_dtype)
 
     def _check_bytes(self, meta: BucketMeta, flat: torch.Tensor) -> None:
+        if not isinstance(flat, torch.Tensor) or flat.dtype != meta.dtype or flat.numel() != meta.numel:
+            got = f"{flat.dtype} x {flat.numel()}" if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise WeightUpdateError(f"bucket data is {got}, its metadata says {meta.dtype} x {meta.numel}")
         if not verify(meta, flat):
             names = [e.name for e in meta.entries][:3]
             raise WeightUpdateError(f"bucket holding {names}... failed its checksum: corrupted in transfer")
@@ -150,14 +153,16 @@ class WeightUpdater:
         self.incomplete_reason = self._was_incomplete if allow_partial else None
         return count
 
-    def mark_incomplete(self, reason: str) -> None:
-        """Another shard of this replica failed mid-update: this replica must not serve either."""
-        self._fail(reason)
+    def mark_incomplete(self, reason: str, log: bool = True) -> None:
+        """This shard must not serve until a complete update lands: another shard of its replica
+        failed mid-update, its weights were released, or it was rebuilt with stale weights."""
+        self._fail(reason, log)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, log: bool = True) -> None:
         self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
                                   "complete update lands")
-        logger.error(self.incomplete_reason)
+        if log:
+            logger.error(self.incomplete_reason)
 
 
 UPDATE_KINDS = ("tensor", "disk", "ipc", "distributed")

@@ -1,29 +1,40 @@
 """Attention backends behind one interface; `create_backend` picks one by name."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Optional
 
 from rollout.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from rollout.attention.base import AttentionBackend
     from rollout.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 
-def resolve_backend_name(name: str, device: str) -> str:
+
+def resolve_backend_name(name: str, device: str, dtype: Optional["torch.dtype"] = None,
+                         head_dim: Optional[int] = None) -> str:
+    """The backend that "auto" stands for: torch_native off CUDA; on CUDA flashinfer when it
+    imports and serves this dtype and head_dim (where given), else triton."""
     if name != "auto":
         return name
     if not device.startswith("cuda"):
         return "torch_native"
+    from rollout.attention.flashinfer_backend import flashinfer_importable, unsupported_reason
+    if unsupported_reason(dtype, head_dim) is not None:
+        return "triton"
     try:
-        import flashinfer  # noqa: F401
-        return "flashinfer"
-    except ImportError:
+        return "flashinfer" if flashinfer_importable() else "triton"
+    except Exception as e:  # installed but broken (a native library missing, say)
+        logger.warning("flashinfer is installed but failed to import (%s); using triton", e)
         return "triton"
 
 
 def create_backend(name: str, runner: "ModelRunner") -> "AttentionBackend":
-    name = resolve_backend_name(name, runner.device.type)
+    name = resolve_backend_name(name, runner.device.type, runner.dtype, runner.model_config.head_dim)
     if name == "torch_native":
         from rollout.attention.torch_native import TorchNativeBackend
         return TorchNativeBackend(runner)
