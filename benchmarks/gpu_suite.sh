@@ -37,6 +37,19 @@ for stage in "$@"; do
     parity) run parity 500 python3 benchmarks/gpu_parity.py --out "$OUT/parity.json" ;;
     wsync) run wsync 540 python3 benchmarks/gpu_weight_sync.py --out "$OUT/weight_sync_check.json" \
               --bench-out "$OUT" ;;
+    memory_release) run memory_release 240 bash -c "python3 benchmarks/gpu_memory_release.py --shape qwen2-1.5b \
+              --out $OUT/memory_release.json && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_release.py" ;;
+    grpo) run grpo 300 bash -c "python3 examples/grpo.py --device cuda --dtype bfloat16 --transport nccl --steps 6 \
+              && python3 examples/grpo.py --device cuda --dtype bfloat16 --transport ipc --steps 6" ;;
+    wsq) run wsq 240 python3 -c "import ray, sys; ray.init(num_gpus=1, num_cpus=16, include_dashboard=False); \
+              from actors.bench_cli import main; sys.exit(main(['bench', 'weight-sync', '--device', 'cuda', \
+              '--transports', 'nccl', 'ipc', '--shapes', 'qwen2-1.5b', 'qwen2-7b', '--iters', '7', '--out', '$OUT/wsq', '--no-progress']))" ;;
+    flashinfer) run flashinfer 540 bash -c 'fi_env=$(bash scripts/flashinfer_wheels.sh install) && eval "$fi_env" \
+              && python3 -c "import flashinfer, tvm_ffi; print(flashinfer.__version__, tvm_ffi.__version__)" \
+              && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_backend.py \
+              && for b in flashinfer triton; do python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+                 --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf \
+                 --attention-backend $b --out $OUT/decode_$b.json; done' ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -192,12 +192,14 @@ class ModelRunner:
             return
         for tag in todo:
             restore_storages(self.released.pop(tag))
+        # Zeroed before any capture: the capture's warm-up forward reads req_to_token (garbage
+        # slot ids there are out-of-bounds reads) and padded rows read the dummy slot 0.
+        if "kv_cache" in todo:
+            for t in self._tensors_of("kv_cache"):
+                t.zero_()
         if not self.released and self.graph_runner is not None:
             self.graph_runner.recapture()
-        # Padded rows and masked keys read the dummy slot 0: no garbage (nor NaNs from a capture
-        # warm-up on undefined weights) may stay in the pool.
-        if "kv_cache" not in self.released:
-            for t in self._tensors_of("kv_cache"):
+            for t in self._tensors_of("kv_cache"):  # no NaNs from a warm-up on undefined weights
                 t.zero_()
 
     def _tensors_of(self, tag: str) -> list[torch.Tensor]:
