@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode, HostIndices
 from rollout.kv_allocator import KVAllocator
 from rollout.sampling_info import SamplingBatchInfo
 
@@ -33,20 +33,19 @@ def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Seq
         return None
     seq_lens = [p + e for p, e in zip(prefix_lens, ext)]
     flat = torch.tensor(list(itertools.chain.from_iterable(new_tokens)), dtype=torch.int64)
-    per_token = (flat, positions, slots, token_rows)
-    per_req = (rows_t, torch.tensor(seq_lens, dtype=torch.int64), ext_t, prefix_t)
-    ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = _to_device(per_token + per_req, device)
+    parts = (flat, positions, slots, token_rows, rows_t, torch.tensor(seq_lens, dtype=torch.int64),
+             ext_t, prefix_t)
+    host = HostIndices(INDEX_FIELDS, [p.numel() for p in parts], torch.cat(parts))
+    ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = _to_device(host, device)
     return ForwardBatch(
         forward_mode=mode, batch_size=len(rows), input_ids=ids, positions=pos,
         req_pool_indices=req_rows, seq_lens=lens, out_cache_loc=loc,
         seq_lens_cpu=seq_lens, extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=list(prefix_lens),
         extend_seq_lens=ext_d, extend_prefix_lens=prefix_d, token_req_pool_indices=tok_rows,
-        sampling_info=sampling_info, return_all_logits=return_all_logits)
+        sampling_info=sampling_info, return_all_logits=return_all_logits, host_indices=host)
 
 
-def _to_device(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _to_device(host: HostIndices, device: torch.device) -> list[torch.Tensor]:
     """One host-to-device copy for all of a step's int64 metadata, split into views there."""
-    if device.type == "cpu":
-        return list(parts)
-    packed = torch.cat(parts).pin_memory().to(device, non_blocking=True)
-    return list(packed.split([p.numel() for p in parts]))
+    flat = host.flat if device.type == "cpu" else host.flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split(host.sizes))

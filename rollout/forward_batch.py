@@ -13,6 +13,21 @@ if TYPE_CHECKING:
     from rollout.sampling_info import SamplingBatchInfo
 
 
+# The int64 index tensors of a batch, in the order of HostIndices.flat.
+INDEX_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_req_pool_indices",
+                "req_pool_indices", "seq_lens", "extend_seq_lens", "extend_prefix_lens")
+
+
+@dataclass(frozen=True)
+class HostIndices:
+    """The batch's index tensors as built on the host, packed: copied to the device in one go,
+    and what a TP leader sends its followers (no device→host copy on the step)."""
+
+    names: tuple[str, ...]
+    sizes: list[int]
+    flat: torch.Tensor  # int64, CPU
+
+
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill, or prefill of a suffix after a cached prefix
     DECODE = auto()  # one new token per request
@@ -56,6 +71,7 @@ class ForwardBatch:
     extend_seq_lens: Optional[torch.Tensor] = None  # [batch] int64
     extend_prefix_lens: Optional[torch.Tensor] = None  # [batch] int64
     token_req_pool_indices: Optional[torch.Tensor] = None  # [num_tokens]: request row per token
+    host_indices: Optional[HostIndices] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -48,6 +48,11 @@ class BatchMessage:
 
     @classmethod
     def from_batch(cls, fb: ForwardBatch) -> "BatchMessage":
+        if fb.host_indices is not None:  # the builder's host copy: no device→host copy
+            h = fb.host_indices
+            return cls(fb.forward_mode, fb.batch_size, list(fb.seq_lens_cpu),
+                       list(fb.extend_seq_lens_cpu), list(fb.extend_prefix_lens_cpu),
+                       fb.return_all_logits, list(h.names), list(h.sizes), h.flat, dict(fb.extras))
         names = [f for f in _TENSOR_FIELDS if getattr(fb, f) is not None]
         parts = [getattr(fb, f).reshape(-1).to(torch.int64) for f in names]
         return cls(fb.forward_mode, fb.batch_size, list(fb.seq_lens_cpu),

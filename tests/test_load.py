@@ -83,4 +83,4 @@ def test_soak_50_generate_and_update_cycles():
     assert all(tokens[k] == tokens[k - 2] for k in range(3, 50))
     assert tokens[1] != tokens[2]
     assert max(rss[5:]) - rss[5] < 50, f"RSS grew {max(rss[5:]) - rss[5]:.0f} MiB after warm-up"
-    assert set(threads) == {threads_before}
+    assert max(threads) <= threads_before, f"threads grew: {threads_before} -> {max(threads)}"  # others may end
