@@ -169,3 +169,13 @@ def test_trainer_killed_mid_broadcast(setup, tiny_dirs):
     assert engine.update_weights_from_tensor(list(trainer.named_parameters())) == 1
     assert (engine_logits(engine) - hf_logits(trainer)).abs().max() <= 1e-5
     assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_weight_versions == [1, 1]
+
+
+def test_push_passes_pause_mode(setup):
+    engine, trainer = setup
+    sender = WeightSender(engine, "tensor")
+    from rollout import ConfigError
+    with pytest.raises(ConfigError, match="pause_mode"):
+        sender.push(trainer.named_parameters(), pause_mode="later")
+    assert engine.weight_version == 0
+    assert sender.push(trainer.named_parameters(), pause_mode="abort") == 1

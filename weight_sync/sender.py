@@ -50,10 +50,13 @@ class WeightSender:
         self.last = PushTimings()
         self._manifest_key: Optional[tuple] = None
         self._manifest: Optional[UpdateManifest] = None
+        self._pause_mode: Optional[str] = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Optional[int] = None,
-             allow_partial: bool = False) -> int:
-        """Send every (HF name, full tensor); returns the target's new weight version."""
+             allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+        """Send every (HF name, full tensor); returns the target's new weight version.
+        `pause_mode` (abort | retract | in_place) overrides the target's for this update."""
+        self._pause_mode = pause_mode
         named = [(n, t.detach()) for n, t in named_tensors]
         version = self.target.weight_version + 1 if version is None else version
         start = time.perf_counter()
@@ -68,7 +71,8 @@ class WeightSender:
         buckets = pack_buckets(named, self.bucket_bytes, torch.device("cpu"), self.checksum)
         self.last.pack = time.perf_counter() - t0
         return self._timed(lambda: self.target.update_weights_from_tensor(
-            buckets, version=version, allow_partial=allow_partial))
+            buckets, version=version, allow_partial=allow_partial,
+            pause_mode=self._pause_mode))
 
     def _push_disk(self, named, version, allow_partial) -> int:
         t0 = time.perf_counter()
@@ -76,7 +80,8 @@ class WeightSender:
         self.last.pack = time.perf_counter() - t0
         try:
             return self._timed(lambda: self.target.update_weights_from_disk(
-                str(path), version=version, allow_partial=allow_partial))
+                str(path), version=version, allow_partial=allow_partial,
+            pause_mode=self._pause_mode))
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -86,7 +91,8 @@ class WeightSender:
         self.last.pack = time.perf_counter() - t0
         try:
             return self._timed(lambda: self.target.update_weights_from_ipc(
-                [e.handle for e in exports], version=version, allow_partial=allow_partial))
+                [e.handle for e in exports], version=version, allow_partial=allow_partial,
+            pause_mode=self._pause_mode))
         finally:
             for e in exports:
                 e.close()
@@ -98,7 +104,8 @@ class WeightSender:
         self._ensure_group(device)
         t0 = time.perf_counter()
         receiver = _Call(lambda: self.target.update_weights_from_distributed(
-            manifest, version=version, allow_partial=allow_partial))
+            manifest, version=version, allow_partial=allow_partial,
+            pause_mode=self._pause_mode))
         in_flight: list = []
         try:
             for meta in manifest.buckets:  # pack bucket i+1 while bucket i is on the wire
