@@ -2,9 +2,8 @@
 CheckpointError as its error type (a broken model directory is a checkpoint problem here)."""
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
-from typing import Optional  # noqa: F401
+from typing import Optional
 
 from rollout.errors import CheckpointError
 from weight_sync import checkpoint
@@ -21,4 +20,6 @@ def read_specs(files: list[Path]) -> list[TensorSpec]:
     return checkpoint.read_specs(files, CheckpointError)
 
 
-iter_slices = partial(checkpoint.iter_slices)
+def iter_slices(files: list[Path], names: Optional[set[str]] = None):
+    """(HF name, lazy slice) pairs: each TP rank's weight loader reads only its part."""
+    return checkpoint.iter_slices(files, names)
