@@ -19,18 +19,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.decode_throughput import SHAPES as DECODE_SHAPES
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.tiny_model import TinyModelSpec, hf_config_dict, random_state_dict
 
 SHAPES = {
-    "cpu-small": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=4096, hidden_size=256,
-                               intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                               num_key_value_heads=2, max_position_embeddings=2048),
-    "qwen2-1.5b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536,
-                                intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                                num_key_value_heads=2, max_position_embeddings=4096,
-                                rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02,
-                                dtype="bfloat16"),
+    **DECODE_SHAPES,  # cpu-small, qwen2-1.5b
     "llama-8b": TinyModelSpec(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
                               intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                               num_key_value_heads=8, max_position_embeddings=8192,

@@ -3,6 +3,7 @@ metadata (name, shape, offset) that lets the receiver take zero-copy views. One 
 one bucket; metadata travels first and is validated before any data lands."""
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -31,10 +32,7 @@ class BucketEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
