@@ -25,7 +25,9 @@ def add_weight_sync_parser(sub) -> None:
     w.add_argument("--shapes", nargs="+", default=None,
                    help="model shapes (default: tiny small on CPU; qwen2-0.5b qwen2-1.5b qwen2-7b on GPU)")
     w.add_argument("--tp-sizes", nargs="+", type=int, default=[1], help="TP sizes of the replica")
-    w.add_argument("--bucket-mb", nargs="+", type=int, default=[512], help="bucket sizes in MiB")
+    w.add_argument("--bucket-mb", nargs="+", type=_bucket_mb, default=[0], metavar="MiB|auto",
+                   help="bucket sizes in MiB; auto (default) lets the sender pick from the replicas' "
+                   "free device memory (512 MiB on CPU)")
     w.add_argument("--iters", type=int, default=5, help="timed pushes per case (after one warm-up)")
     w.add_argument("--device", default="cpu", help="cpu or cuda")
     w.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on GPU")
@@ -34,6 +36,16 @@ def add_weight_sync_parser(sub) -> None:
     w.add_argument("--out", default="weight_sync_out", help="output folder")
     w.add_argument("--no-progress", action="store_true")
     w.set_defaults(func=_run)
+
+
+def _bucket_mb(value: str) -> int:
+    """'auto' → 0 (the sender chooses), else a positive number of MiB."""
+    if value == "auto":
+        return 0
+    mb = int(value)
+    if mb <= 0:
+        raise argparse.ArgumentTypeError(f"bucket size must be a positive number of MiB or auto, got {value}")
+    return mb
 
 
 def _run(a) -> int:

@@ -276,6 +276,7 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
             rebuilds = list(self._recovery_threads)
         for thread in rebuilds:  # a rebuild that finishes now destroys what it made
             thread.join(timeout=REBUILD_JOIN_S)
+        self._close_push_channels()
         for replica in self.replicas:
             replica.destroy()
         self.replicas = []

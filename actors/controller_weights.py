@@ -2,9 +2,15 @@
 shard of every replica. Each update: pause every leader at a step boundary (in-flight requests
 by `pause_mode`), have every shard load its own slices (one Ray call per shard per update, never
 per parameter), commit the new version on the leaders, resume. A shard that fails after its first
-write leaves its replica refusing to generate until a complete update lands."""
+write leaves its replica refusing to generate until a complete update lands.
+
+A push of a registered IPC layout (`IpcLayoutRef`) into single-rank replicas skips Ray: each
+leader's loopback push channel (`weight_sync/push_channel.py`, opened once through Ray and
+cached) carries the request, all replicas at once; a channel that fails sends that replica the
+same request through Ray (which handles a dead shard), so no push is lost."""
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -18,8 +24,13 @@ from rollout.errors import ConfigError, EngineNotReadyError
 from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
 from weight_sync.errors import WeightUpdateError
 from weight_sync.ipc import IpcHandle
+from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef, IpcLayoutUnknownError
 from weight_sync.process_group import GroupAddress
+from weight_sync.push_channel import (PushChannelClient, PushChannelError, PushChannelInfo, push_request,
+                                      send_all)
 from weight_sync.spec import TensorSpec
+
+logger = logging.getLogger(__name__)
 
 
 class ControllerWeightsMixin:
@@ -27,6 +38,8 @@ class ControllerWeightsMixin:
     the recovery helpers (`_serving_replicas`, `_call_leaders`, `_replica_failed`)."""
 
     _last_phases: dict = {}
+    use_push_channels: bool = True  # registered IPC pushes into TP=1 replicas skip Ray
+    last_ipc_path: str = ""  # the last ipc update: "channel", "ray", or "channel+ray" (fallbacks)
 
     @property
     def weight_version(self) -> int:
@@ -59,9 +72,131 @@ class ControllerWeightsMixin:
                                  allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
         return self._update("disk", str(path), version, allow_partial, pause_mode)
 
-    def update_weights_from_ipc(self, handles: Sequence[IpcHandle], *, version: Optional[int] = None,
-                                allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
-        return self._update("ipc", list(handles), version, allow_partial, pause_mode)
+    def update_weights_from_ipc(self, handles: Union[IpcLayout, IpcLayoutRef, Sequence[IpcHandle]], *,
+                                version: Optional[int] = None, allow_partial: bool = False,
+                                pause_mode: Optional[str] = None) -> int:
+        """A registered layout, a push of one (its id: a few bytes per shard), or bucket handles.
+        A shard that lacks the layout raises `IpcLayoutUnknownError` (the sender registers again)."""
+        payload = handles if isinstance(handles, (IpcLayout, IpcLayoutRef)) else list(handles)
+        if isinstance(payload, IpcLayoutRef) and self.use_push_channels:
+            out = self._push_over_channels(payload, version, allow_partial, pause_mode)
+            if out is not None:
+                return out
+        self.last_ipc_path = "ray"
+        return self._update("ipc", payload, version, allow_partial, pause_mode)
+
+    # ---- the push channels (registered IPC into single-rank replicas, no Ray call per push) ----
+    def ipc_push_channels(self) -> dict[int, PushChannelInfo]:
+        """Replica index → its leader's push channel, for every serving single-rank replica
+        whose channel opens (each opened once per shard, then cached). Empty for TP replicas."""
+        with self._weights_lock:
+            targets = self._serving_replicas()
+            if any(r.tp_size != 1 for r in targets):
+                return {}
+            clients = self._channel_clients(targets)
+            return {i: c.info for i, c in clients.items()}
+
+    def ping_push_channel(self, index: int = 0) -> Optional[float]:
+        """Seconds of one no-op round trip over replica `index`'s channel (None: no channel)."""
+        with self._weights_lock:
+            replica = next((r for r in self._serving_replicas() if r.index == index), None)
+            if replica is None or replica.tp_size != 1:
+                return None
+            client = self._channel_clients([replica]).get(index)
+            if client is None:
+                return None
+            t0 = time.perf_counter()
+            try:
+                client.call({"op": "ping"})
+            except PushChannelError:
+                self._drop_channel(index)
+                return None
+            return time.perf_counter() - t0
+
+    def _channel_clients(self, targets: list) -> dict[int, PushChannelClient]:
+        """Under the weights lock: a connected client per replica that has (or now opens) a
+        channel. A rebuilt replica (a new Replica object) gets a new one."""
+        cache = self.__dict__.setdefault("_push_clients", {})
+        out = {}
+        for replica in targets:
+            cached = cache.get(replica.index)
+            if cached is not None and cached[0] is replica:
+                out[replica.index] = cached[1]
+                continue
+            self._drop_channel(replica.index)
+            try:
+                info = ray.get(replica.leader.open_push_channel.remote())
+                client = PushChannelClient(info)
+            except Exception as e:  # noqa: BLE001 — this replica keeps the Ray path
+                logger.warning("replica %d: no push channel (%s: %s); using Ray", replica.index,
+                               type(e).__name__, e)
+                continue
+            cache[replica.index] = (replica, client)
+            out[replica.index] = client
+        return out
+
+    def _drop_channel(self, index: int) -> None:
+        cached = self.__dict__.get("_push_clients", {}).pop(index, None)
+        if cached is not None:
+            cached[1].close()
+
+    def _close_push_channels(self) -> None:
+        for index in list(self.__dict__.get("_push_clients", {})):
+            self._drop_channel(index)
+
+    def _push_over_channels(self, ref: IpcLayoutRef, version: Optional[int], allow_partial: bool,
+                            pause_mode: Optional[str]) -> Optional[int]:
+        """`_update("ipc", ref)` for single-rank replicas, each shard reached over its channel:
+        send to all, then read all replies. A replica whose channel fails gets the push through
+        Ray (`_update_single_rank`: a dead shard goes to recovery); typed errors from a shard
+        (`WeightUpdateError`, `IpcLayoutUnknownError`) are raised after every replica answered,
+        as on the Ray path. None: not applicable (TP replicas, or no channel at all)."""
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        with self._weights_lock:
+            targets = self._serving_replicas()
+            if not targets or any(r.tp_size != 1 for r in targets):
+                return None
+            clients = self._channel_clients(targets)
+            if not clients:
+                return None
+            new_version = self._weight_version + 1 if version is None else int(version)
+            fast = [r for r in targets if r.index in clients]
+            slow = [r for r in targets if r.index not in clients]
+            replies = send_all([clients[r.index] for r in fast],
+                               push_request(ref.layout_id, new_version, allow_partial, pause_mode))
+            errors, done = [], []
+            for replica, reply in zip(fast, replies):
+                if isinstance(reply, PushChannelError):
+                    logger.warning("replica %d: push channel failed (%s); pushing through Ray",
+                                   replica.index, reply)
+                    self._drop_channel(replica.index)
+                    slow.append(replica)
+                elif reply.get("ok"):
+                    done.append(replica)
+                else:
+                    errors.append(_typed_error(reply))
+            if slow:
+                try:
+                    done += self._update_single_rank("ipc", ref, new_version, allow_partial, pause_mode,
+                                                     slow)
+                except Exception as e:  # noqa: BLE001 — raised below with the channel's errors
+                    errors.append(e)
+            self.last_ipc_path = "channel+ray" if slow else "channel"
+            if errors:
+                raise errors[0]
+            self._commit_update(new_version, done)
+        return new_version
+
+    def drop_ipc_layouts(self, layout_ids: Optional[Sequence[str]] = None) -> None:
+        """Every shard closes these registered IPC layouts (all when None)."""
+        with self._weights_lock:
+            ray.get([s.drop_ipc_layouts.remote(layout_ids) for s in self._shards()])
+
+    def weight_sync_free_bytes(self) -> Optional[int]:
+        """The smallest free device memory over the shards (None on CPU): sizes a sender's buckets."""
+        free = [f for f in ray.get([s.free_device_bytes.remote() for s in self._shards()]) if f is not None]
+        return min(free) if free else None
 
     def init_weights_update_group(self, addr: GroupAddress, rank_offset: int = 1) -> None:
         """Every shard joins the trainer's group (ranks rank_offset, rank_offset + 1, ...)."""
@@ -113,14 +248,21 @@ class ControllerWeightsMixin:
             else:
                 targets = self._update_tp(kind, payload, new_version, allow_partial, pause_mode,
                                           targets)
-            self._weight_version, self._weights_updated = new_version, True
-            self._refresh_stale(targets)
+            self._commit_update(new_version, targets)
         return new_version
+
+    def _commit_update(self, version: int, replicas: list) -> None:
+        """Under the weights lock, after `replicas` took an update: the controller serves
+        `version`, and a stale replica that is now complete is alive again."""
+        self._weight_version, self._weights_updated = version, True
+        self._refresh_stale(replicas)
 
     def _update_tp(self, kind: str, payload, version: int, allow_partial: bool,
                    pause_mode: Optional[str], targets: list) -> list:
         """TP replicas: pause every leader, every shard loads, commit, resume. Returns the
         replicas that took the update."""
+        if kind == "ipc":  # a shard without the layout (rebuilt) must fail before any rank loads
+            ray.get([s.precheck_weights.remote(kind, payload) for r in targets for s in r.shards])
         t0 = time.perf_counter()
         targets = self._call_leaders(targets, "pause", pause_mode)
         t1 = time.perf_counter()
@@ -176,9 +318,21 @@ class ControllerWeightsMixin:
             if failed:
                 incomplete = ray.get([s.incomplete_reason.remote() for s in replica.shards])
                 reason = next((r for r in incomplete if r), None)
+                if reason is None and len(failed) < replica.tp_size:  # others loaded: a mix
+                    reason = "the other ranks loaded the update"
                 ray.get(replica.leader.abort_if_incomplete.remote(
                     f"rank(s) {failed} of replica {replica.index}: {reason}" if reason else None))
         return errors, still_in
+
+
+def _typed_error(reply: dict) -> WeightUpdateError:
+    """A shard's error from its push channel, typed as the Ray path would raise it."""
+    message = str(reply.get("message", ""))
+    if reply.get("error_type") == "IpcLayoutUnknownError":
+        return IpcLayoutUnknownError(message)
+    if reply.get("error_type") == "WeightUpdateError":
+        return WeightUpdateError(message)
+    return WeightUpdateError(f"{reply.get('error_type')}: {message}")
 
 
 def _unwrap(e: BaseException) -> BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -22,6 +23,8 @@ from rollout.engine import WEIGHTS_RELEASED
 from rollout.model_runner import ModelRunner
 from rollout.tp_worker import TPFollower, TPLeaderEngine
 from weight_sync.bucket import Bucket
+from weight_sync.ipc_layout import IpcLayoutRef
+from weight_sync.push_channel import PushChannelInfo, PushChannelServer
 from weight_sync.updater import WeightUpdater, apply_update
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class RolloutShard:
         self._thread: Optional[threading.Thread] = None
         self._follower_error: Optional[str] = None
         self.updater: Optional[WeightUpdater] = None
+        self._push_channel: Optional[PushChannelServer] = None
 
     # ---- set-up ---------------------------------------------------------------------------
     def pick_init_method(self) -> str:
@@ -102,6 +106,10 @@ class RolloutShard:
     def check_weights(self, specs, allow_partial: bool = False) -> None:
         self.updater.validate(list(specs), allow_partial)
 
+    def precheck_weights(self, kind: str, payload) -> None:
+        """Raises now if this rank could not take the update (an IPC layout it does not hold)."""
+        self.updater.precheck(kind, payload)
+
     def apply_weights(self, kind: str, payload, allow_partial: bool = False) -> int:
         """Load an update into this rank's shard (the leader is paused by the controller)."""
         return apply_update(self.updater, kind, _fetched(kind, payload), allow_partial)
@@ -109,12 +117,47 @@ class RolloutShard:
     def update_weights(self, kind: str, payload, allow_partial: bool, pause_mode: Optional[str],
                        version: int) -> int:
         """A replica of one rank: pause → load → commit → resume in one call."""
+        t0 = time.perf_counter()
         payload = _fetched(kind, payload)
-        return self._leader().update_weights(
-            lambda: apply_update(self.updater, kind, payload, allow_partial), version, pause_mode)
+        self.updater.precheck(kind, payload)  # an unknown IPC layout fails before the pause
+        try:
+            return self._leader().update_weights(
+                lambda: apply_update(self.updater, kind, payload, allow_partial), version, pause_mode)
+        finally:
+            self._last_call_s = time.perf_counter() - t0
+
+    def open_push_channel(self) -> PushChannelInfo:
+        """Leader of a single-rank replica: the loopback channel that carries registered IPC
+        pushes without a Ray call (`weight_sync/push_channel.py`); opened once, then the same
+        address and token. Each push over it runs `update_weights("ipc", IpcLayoutRef(...))`."""
+        self._leader()
+        if self.tp_size != 1:
+            raise RuntimeError("the push channel serves single-rank replicas only")
+        if self._push_channel is None:
+            self._push_channel = PushChannelServer(self._channel_push)
+        return self._push_channel.info
+
+    def _channel_push(self, layout_id: str, version: int, allow_partial: bool,
+                      pause_mode: Optional[str]) -> dict:
+        out = self.update_weights("ipc", IpcLayoutRef(layout_id), allow_partial, pause_mode, version)
+        return {"version": int(out), "incomplete": self.updater.incomplete_reason is not None}
+
+    def drop_ipc_layouts(self, layout_ids=None) -> None:
+        """Close registered IPC layouts (the trainer's memory is unmapped)."""
+        if self.engine is not None:
+            self.engine.drop_ipc_layouts(layout_ids)
+        else:
+            self.updater.ipc_layouts.drop(layout_ids)
+
+    def free_device_bytes(self) -> Optional[int]:
+        """Free memory of this shard's device (None on CPU): sizes a sender's buckets."""
+        device = self._runner().device
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
     def update_phases(self) -> dict:
-        return dict(self._leader().last_update_phases)
+        """The leader's phases of the last update, and the seconds its whole call took here
+        (what the caller sees beyond that is the Ray round trip)."""
+        return {**self._leader().last_update_phases, "shard_call": getattr(self, "_last_call_s", 0.0)}
 
     def touch(self, refs) -> int:
         """Benchmarks: fetch objects from the store (the tensor transport's floor)."""
@@ -185,6 +228,9 @@ class RolloutShard:
     def shutdown(self) -> None:
         """Leader: stop the followers' loops, then free the shard. Followers: wait for the loop
         to end (the leader's StopMessage), then leave the group."""
+        if self._push_channel is not None:
+            self._push_channel.close()
+            self._push_channel = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -4,7 +4,14 @@ For each model shape × TP size × bucket size × transport: push new weights N 
 RolloutController and report p50/p90 end-to-end latency (trainer call → every replica serving
 the new version), the phases inside it, effective GB/s, and the raw floor of the same bytes
 measured in the same run: a plain broadcast (nccl), one device copy (ipc), a plain read of the
-checkpoint files (disk), a plain ray.put + fetch by the shard (tensor)."""
+checkpoint files (disk), a plain ray.put + fetch by the shard (tensor).
+
+ipc is the registered path: the warm-up push registers the trainer's tensors (reported as the
+`register` and `first_push` phases), the timed pushes send the layout id only — over the
+replicas' push channels when they are single-rank (`fast_channel` says whether every timed push
+did; `channel_roundtrip` is a no-op message over it, next to `ray_roundtrip`). A bucket size of
+0 MiB ("auto") lets the sender choose it from the replicas' free device memory
+(`bucket_bytes`/`bucket_source` in the JSON)."""
 from __future__ import annotations
 
 import logging
@@ -47,7 +54,9 @@ class BenchCase:
     transport: str
     shape: str
     tp_size: int
-    bucket_mb: int
+    bucket_mb: int  # 0: auto (chosen from the receivers' free memory)
+    bucket_bytes: int = 0  # the bucket size the sender used
+    bucket_source: str = ""
     gbytes: float = 0.0
     latency_s: list[float] = field(default_factory=list)
     p50_s: float = 0.0
@@ -57,6 +66,7 @@ class BenchCase:
     floor_s: float = 0.0
     floor_what: str = ""
     ratio_to_floor: float = 0.0
+    fast_channel: bool = False  # ipc: every timed push went over the push channels (no Ray call)
     error: Optional[str] = None
 
 
@@ -86,11 +96,18 @@ def run_case(ctl: RolloutController, case: BenchCase, weights, iters: int, train
              sync_dir: Path) -> BenchCase:
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     case.gbytes = nbytes / 1e9
-    sender = WeightSender(ctl, case.transport, bucket_bytes=case.bucket_mb << 20,
+    sender = WeightSender(ctl, case.transport, bucket_bytes=(case.bucket_mb << 20) or None,
                           sync_dir=str(sync_dir / case.transport))
     try:
-        sender.push(weights)  # warm-up: group set-up, allocator, first-touch
-        phases: dict[str, list[float]] = {"pack": [], "transfer_and_load": []}
+        _sync(trainer_device)
+        t0 = time.perf_counter()
+        sender.push(weights)  # warm-up: group set-up, ipc registration, allocator, first-touch
+        phases: dict[str, list[float]] = {"pack": [], "transfer_and_load": [],
+                                          "first_push": [time.perf_counter() - t0]}
+        if "register" in sender.last.extra:
+            phases["register"] = [sender.last.extra["register"]]
+        case.bucket_bytes, case.bucket_source = sender.bucket_bytes or 0, sender.bucket_source
+        channel = []
         for _ in range(iters):
             _sync(trainer_device)
             t0 = time.perf_counter()
@@ -98,8 +115,14 @@ def run_case(ctl: RolloutController, case: BenchCase, weights, iters: int, train
             case.latency_s.append(time.perf_counter() - t0)
             phases["pack"].append(sender.last.pack)
             phases["transfer_and_load"].append(sender.last.transfer)
+            channel.append("channel" in sender.last.extra)
+        case.fast_channel = case.transport == "ipc" and bool(channel) and all(channel)
         for name, vals in ctl.last_update_phases().items():
             phases[name] = [vals]
+        phases["ray_roundtrip"] = _ray_roundtrips(ctl, iters)  # context: a no-op call to replica 0
+        if case.fast_channel:  # the same for the push channel
+            phases["channel_roundtrip"] = [t for t in (ctl.ping_push_channel(0) for _ in range(iters))
+                                           if t is not None]
         case.phases_s = {k: statistics.median(v) for k, v in phases.items() if v}
         case.floor_s, case.floor_what = measure_floor(ctl, sender, case.transport, weights,
                                                      trainer_device, sync_dir, iters)
@@ -115,6 +138,16 @@ def run_case(ctl: RolloutController, case: BenchCase, weights, iters: int, train
         case.gb_per_s = case.gbytes / case.p50_s
         case.ratio_to_floor = case.p50_s / case.floor_s if case.floor_s else 0.0
     return case
+
+
+def _ray_roundtrips(ctl, n: int) -> list[float]:
+    leader = ctl.replicas[0].leader
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        ray.get(leader.update_phases.remote())
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def measure_floor(ctl, sender: WeightSender, transport: str, weights, device: str, sync_dir: Path,
@@ -237,11 +270,23 @@ def print_table(result: dict) -> None:
     from rich.table import Table
     table = Table(title=f"weight sync ({result['device']}, {result['dtype']})")
     for col in ("transport", "shape", "tp", "bucket MiB", "GB", "p50 ms", "p90 ms", "GB/s",
-                "floor ms", "x floor"):
+                "floor ms", "x floor", "channel"):
         table.add_column(col)
     for c in result["cases"]:
-        table.add_row(c["transport"], c["shape"], str(c["tp_size"]), str(c["bucket_mb"]),
+        mib = "-" if not c["bucket_bytes"] else f"{c['bucket_bytes'] >> 20}" + ("" if c["bucket_mb"] else " (auto)")
+        table.add_row(c["transport"], c["shape"], str(c["tp_size"]), mib,
                       f"{c['gbytes']:.3f}", f"{c['p50_s'] * 1e3:.1f}", f"{c['p90_s'] * 1e3:.1f}",
                       f"{c['gb_per_s']:.1f}", f"{c['floor_s'] * 1e3:.1f}",
-                      f"{c['ratio_to_floor']:.2f}" if not c["error"] else c["error"][:40])
+                      f"{c['ratio_to_floor']:.2f}" if not c["error"] else c["error"][:40],
+                      _channel_cell(c))
     Console().print(table)
+
+
+def _channel_cell(c: dict) -> str:
+    """ipc: whether the push channel carried the timed pushes, and its round trip vs Ray's."""
+    if c["transport"] != "ipc":
+        return "-"
+    if not c.get("fast_channel"):
+        return "no (ray)"
+    ph = c["phases_s"]
+    return f"{ph.get('channel_roundtrip', 0) * 1e3:.2f} ms rt (ray {ph.get('ray_roundtrip', 0) * 1e3:.2f})"

@@ -1,5 +1,6 @@
 """Decode throughput: the engine next to HF `generate` on the same random model, in one run,
-and (on GPU) next to the memory-bandwidth floor measured in the same run.
+and next to a floor measured in the same run: on GPU memory bandwidth, on CPU the fp32 GEMM
+peak (MKL through F.linear, and oneDNN through the engine's cpu_linear) over the run's FLOPs.
 
   python benchmarks/decode_throughput.py --shape cpu-small --device cpu --batch-sizes 1 16 64
   python benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 \
@@ -93,6 +94,38 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0)
 
 
+def cpu_gemm_peak(threads: int | None = None) -> dict:
+    """fp32 GEMM GFLOP/s on CPU at the model's sizes, through torch's default BLAS (F.linear:
+    MKL) and through the engine's `cpu_linear` (oneDNN), best of the shapes (CPU only)."""
+    import torch.nn.functional as F
+    from rollout.layers.linear import cpu_linear
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("mkl_F.linear", F.linear), ("engine_cpu_linear", cpu_linear)):
+            best = 0.0
+            for m, k, n in ((64, 256, 2048), (2048, 256, 2048), (64, 1024, 256)):
+                x, w = torch.randn(m, k), torch.randn(n, k)
+                fn(x, w)
+                reps = max(3, int(2e9 / (2 * m * k * n)))
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn(x, w)
+                best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+            out[name] = best
+    return out
+
+
+def cpu_floor_tok_per_s(engine: Engine, batch: int, args, gflops: float) -> float:
+    """Tokens/s if the run's GEMM FLOPs (prefill of every prompt, logits of its last token, then
+    new_tokens - 1 decode steps) ran at `gflops`; attention and everything else for free."""
+    model = engine.runner.model
+    layers = sum(p.numel() for n, p in model.named_parameters()
+                 if ".layers." in n and n.endswith("proj.weight"))
+    head = model.lm_head.weight.numel()
+    macs = batch * (args.prompt_len * layers + head) + batch * (args.new_tokens - 1) * (layers + head)
+    return batch * args.new_tokens / (2 * macs / (gflops * 1e9))
+
+
 def floor_tok_per_s(engine: Engine, batch: int, args, bandwidth: float) -> float:
     """Tokens/s if each decode step only read the weights and the KV once at `bandwidth`."""
     weights = engine.runner.weights_bytes()
@@ -139,6 +172,7 @@ def run(args) -> dict:
     _sync(args.device)
     startup = time.perf_counter() - t0
     bandwidth = copy_bandwidth(args.device)
+    gemm = None if args.device.startswith("cuda") else cpu_gemm_peak()
     rows = []
     hf = None if args.skip_hf else _load_hf(model_dir, args)
     for bs in args.batch_sizes:
@@ -147,12 +181,16 @@ def run(args) -> dict:
             row["hf"] = bench_hf(hf, bs, args)
             row["speedup"] = row["engine"]["tok_per_s"] / row["hf"]["tok_per_s"]
         row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
+        if gemm is not None:  # CPU: the compute floor at each library's measured GEMM peak
+            row["gemm_floor_tok_per_s"] = {k: cpu_floor_tok_per_s(engine, bs, args, v)
+                                           for k, v in gemm.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"shape": args.shape, "device": args.device, "dtype": args.dtype,
             "backend": type(engine.runner.attn_backend).__name__,
             "cuda_graph": engine.runner.graph_runner is not None, "startup_s": startup,
-            "copy_bandwidth_GBps": bandwidth / 1e9, "prompt_len": args.prompt_len,
+            "copy_bandwidth_GBps": bandwidth / 1e9, "cpu_gemm_gflops": gemm,
+            "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
 
 

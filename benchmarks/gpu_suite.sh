@@ -26,7 +26,8 @@ run() {  # run NAME SECONDS CMD...
 for stage in "$@"; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
-    smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py -p no:cacheprovider ;;
+    smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py \
+              tests/test_overlap_schedule.py -p no:cacheprovider ;;
     decode) run decode 480 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --out "$OUT/decode.json" ;;
@@ -34,7 +35,12 @@ for stage in "$@"; do
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \
               --repeats 1 --skip-hf --out "$OUT/decode_quick.json" ;;
-    parity) run parity 500 python3 benchmarks/gpu_parity.py --out "$OUT/parity.json" ;;
+    parity) run parity 500 python3 benchmarks/gpu_parity.py --hf-control --out "$OUT/parity.json" ;;
+    parity32) run parity32 500 python3 benchmarks/gpu_parity.py --dtype float32 --out "$OUT/parity32.json" ;;
+    parity_fi) run parity_fi 400 bash -c 'fi_env=$(bash scripts/flashinfer_wheels.sh install) && eval "$fi_env" \
+              && python3 benchmarks/gpu_parity.py --skip-tp --flashinfer --out $OUT/parity_fi.json \
+              && python3 benchmarks/gpu_parity.py --skip-tp --flashinfer --hf-control --dtype float16 \
+                 --out $OUT/parity_fi16.json' ;;
     wsync) run wsync 540 python3 benchmarks/gpu_weight_sync.py --out "$OUT/weight_sync_check.json" \
               --bench-out "$OUT" ;;
     memory_release) run memory_release 240 bash -c "python3 benchmarks/gpu_memory_release.py --shape qwen2-1.5b \
@@ -43,7 +49,16 @@ for stage in "$@"; do
               && python3 examples/grpo.py --device cuda --dtype bfloat16 --transport ipc --steps 6" ;;
     wsq) run wsq 240 python3 -c "import ray, sys; ray.init(num_gpus=1, num_cpus=16, include_dashboard=False); \
               from actors.bench_cli import main; sys.exit(main(['bench', 'weight-sync', '--device', 'cuda', \
-              '--transports', 'nccl', 'ipc', '--shapes', 'qwen2-1.5b', 'qwen2-7b', '--iters', '7', '--out', '$OUT/wsq', '--no-progress']))" ;;
+              '--transports', 'nccl', 'ipc', '--shapes', 'qwen2-1.5b', 'qwen2-7b', '--iters', '7', '--bucket-mb', '512', \
+              '--out', '$OUT/wsq', '--no-progress']))" ;;
+    wsync-test) run wsync_test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ipc_registered_gpu.py ;;
+    # registered ipc (issue #7), one GPU is enough; then again with every copy through _foreach_copy_
+    wsipc) run wsipc 480 bash -c "python3 -c \"import ray, sys; ray.init(num_gpus=1, num_cpus=16, include_dashboard=False); \
+              from actors.bench_cli import main; sys.exit(main(['bench', 'weight-sync', '--device', 'cuda', \
+              '--transports', 'ipc', '--shapes', 'qwen2-1.5b', 'qwen2-7b', '--iters', '9', '--out', '$OUT/wsipc', '--no-progress']))\" \
+              && WEIGHT_SYNC_DIRECT_COPY_MB=-1 python3 -c \"import ray, sys; ray.init(num_gpus=1, num_cpus=16, include_dashboard=False); \
+              from actors.bench_cli import main; sys.exit(main(['bench', 'weight-sync', '--device', 'cuda', \
+              '--transports', 'ipc', '--shapes', 'qwen2-1.5b', '--iters', '9', '--out', '$OUT/wsipc_foreach', '--no-progress']))\"" ;;
     flashinfer) run flashinfer 540 bash -c 'fi_env=$(bash scripts/flashinfer_wheels.sh install) && eval "$fi_env" \
               && python3 -c "import flashinfer, tvm_ffi; print(flashinfer.__version__, tvm_ffi.__version__)" \
               && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_backend.py \

@@ -168,6 +168,9 @@ class EngineConfig:
     seed: int = 0
     cuda_graph: bool = True
     cuda_graph_batch_sizes: Optional[tuple[int, ...]] = None
+    # Queue step N+1 before waiting for step N's tokens. None: on when device is a GPU and
+    # tp_size is 1 (TP followers need the input ids on the host; on CPU nothing runs meanwhile).
+    overlap_schedule: Optional[bool] = None
     check_finite: bool = False  # weight updates: reject NaN/inf tensors
     pause_mode: str = "retract"
     show_progress: bool = False
@@ -198,6 +201,11 @@ class EngineConfig:
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.overlap_schedule not in (None, True, False):
+            raise ConfigError(f"overlap_schedule must be None, True or False, got {self.overlap_schedule!r}")
+        if self.overlap_schedule and self.tp_size > 1:
+            raise ConfigError("overlap_schedule needs tp_size 1: TP followers take each step's input "
+                              "ids from the leader's host copy")
         if self.cuda_graph_batch_sizes is not None:
             sizes = tuple(self.cuda_graph_batch_sizes)
             if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
@@ -211,6 +219,12 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def overlap(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.is_cuda and self.tp_size == 1
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

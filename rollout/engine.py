@@ -56,7 +56,8 @@ class Engine(EngineWeightsMixin):
         alloc = KVAllocator(self.config.max_running_requests + 1, r.num_token_slots, r.max_context_len)
         limits = SchedulerLimits(self.config.max_running_requests, self.config.max_prefill_tokens,
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
-        return Scheduler(alloc, limits, self.run_batch, r.device)
+        overlap = self.config.overlap and r.tp.size == 1
+        return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap)
 
     @property
     def stats(self):

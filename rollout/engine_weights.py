@@ -14,6 +14,7 @@ import torch
 from rollout.errors import ConfigError, WeightUpdateError
 from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
 from weight_sync.ipc import IpcHandle
+from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
 from weight_sync.spec import TensorSpec
 
@@ -49,10 +50,25 @@ class EngineWeightsMixin:
         return self.update_weights(lambda: self.updater.from_disk(path, allow_partial), version,
                                    pause_mode)
 
-    def update_weights_from_ipc(self, handles: Sequence[IpcHandle], *, version: Optional[int] = None,
-                                allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
+    def update_weights_from_ipc(self, handles: Union[IpcLayout, IpcLayoutRef, Sequence[IpcHandle]], *,
+                                version: Optional[int] = None, allow_partial: bool = False,
+                                pause_mode: Optional[str] = None) -> int:
+        """`handles`: a registered layout (`IpcLayout`, opened and planned once), a push of one
+        (`IpcLayoutRef`: the trainer's tensors hold the new values; an unknown id raises
+        `IpcLayoutUnknownError` before generation is paused), or per-push bucket handles."""
+        self.updater.precheck("ipc", handles)
         return self.update_weights(lambda: self.updater.from_ipc(handles, allow_partial), version,
                                    pause_mode)
+
+    def drop_ipc_layouts(self, layout_ids: Optional[Sequence[str]] = None) -> None:
+        """Close registered IPC layouts (all when None): the trainer's memory is unmapped."""
+        with self._weights_lock:
+            self.updater.ipc_layouts.drop(layout_ids)
+
+    def weight_sync_free_bytes(self) -> Optional[int]:
+        """Free device memory of this engine's device (None on CPU): sizes a sender's buckets."""
+        device = self.runner.device
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
     @property
     def num_weight_sync_ranks(self) -> int:
@@ -104,6 +120,7 @@ class EngineWeightsMixin:
         if mode not in ("abort", "retract", "in_place"):
             raise ConfigError(f"pause_mode must be abort, retract or in_place, got {mode!r}")
         self.gate.pause()
+        self.scheduler.drain()  # the step in flight finishes under the weights it started with
         if mode == "abort":
             self.scheduler.abort_all()
         elif mode == "retract":

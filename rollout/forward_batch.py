@@ -90,5 +90,7 @@ class ForwardBatch:
         """Rows of the hidden states whose logits are needed (None: all of them)."""
         if self.forward_mode.is_decode or self.return_all_logits:
             return None
-        ends = torch.tensor(self.extend_seq_lens_cpu, device=self.input_ids.device).cumsum(0)
-        return ends - 1
+        last = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum_(0).sub_(1)
+        if self.input_ids.device.type == "cuda":  # pinned + non_blocking: device tensor() would sync
+            last = last.pin_memory().to(self.input_ids.device, non_blocking=True)
+        return last

@@ -35,8 +35,13 @@ class TokenToKVPool:
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if k_buf.is_cuda and _fused_store_ok(k, v, k_buf):
+            from rollout.attention.triton_kernels.store_kv import store_kv
+            store_kv(k, v, loc, k_buf, v_buf)  # one launch instead of two index kernels
+            return
+        k_buf[loc] = k.to(k_buf.dtype)
+        v_buf[loc] = v.to(v_buf.dtype)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
@@ -47,6 +52,11 @@ class TokenToKVPool:
 
 MEMORY_TAGS = ("kv_cache", "weights")
 StorageRecord = tuple[torch.Tensor, int]  # a tensor whose storage was freed, and its size in bytes
+
+
+def _fused_store_ok(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    from rollout.attention.triton_kernels.store_kv import rows_are_flat
+    return rows_are_flat(k) and rows_are_flat(v) and k_buf.is_contiguous() and k.shape[1:] == k_buf.shape[1:]
 
 
 def check_memory_tags(tags: Sequence[str]) -> list[str]:

@@ -1,4 +1,7 @@
-"""Request: one sample being generated. It owns its tokens, logprobs and KV row."""
+"""Request: one sample being generated. It owns its tokens, logprobs and KV row.
+
+`kv_len`, `position`, `last_id` and `ends_by_length_when_applied` are read for every running
+request on every step, so they are written out over the lists (no property calling another)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +10,7 @@ from typing import Optional
 from rollout.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove / `in` never compare token lists
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -23,6 +26,10 @@ class Request:
     finish_reason: Optional[str] = None
     row: Optional[int] = None  # KV row while resident
     num_retractions: int = 0
+    # Steps launched with this request whose sampled token is not applied yet (overlap
+    # scheduling: at most the one in flight, briefly two while the next is queued behind it).
+    pending: int = 0
+    kv_allocated: int = 0  # KV slots its row holds (freed when it leaves, pending or not)
 
     @property
     def all_ids(self) -> list[int]:
@@ -33,14 +40,30 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_id(self) -> int:
+        """The last token applied (a decode step's input id when nothing is pending)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def kv_len(self) -> int:
-        """Tokens whose KV is cached while running: all but the last sampled one."""
-        return self.length - 1 if self.output_ids else self.length
+        """Tokens whose KV is cached while running: all but the last sampled one (counting the
+        tokens sampled on the device but not applied yet)."""
+        sampled = len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return sampled - 1 if self.output_ids or self.pending else sampled
 
     @property
     def position(self) -> int:
         """Position of the next token to sample."""
-        return self.length
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def ends_by_length_when_applied(self) -> bool:
+        """Its pending tokens will finish it on length: no further step needs it."""
+        pending = self.pending
+        if not pending:
+            return False
+        n_out = len(self.output_ids) + pending
+        return n_out >= self.params.max_new_tokens or len(self.prompt_ids) + n_out >= self.max_len
 
     @property
     def finished(self) -> bool:
@@ -58,5 +81,6 @@ class Request:
         last = self.output_ids[-1]
         if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_new_tokens or self.length >= self.max_len:
+        elif (len(self.output_ids) >= self.params.max_new_tokens
+              or len(self.prompt_ids) + len(self.output_ids) >= self.max_len):
             self.finish_reason = "length"

@@ -4,7 +4,15 @@ run, and applies the sampled tokens.
 Policy: prefill first (FCFS admission while rows, the prefill-token budget and the KV pool
 allow, keeping one free slot per running request for its next decode); otherwise decode every
 running request. When the pool runs dry during decode, the newest request is retracted: its KV
-is freed, its tokens kept, and it goes back to the head of the queue to be recomputed."""
+is freed, its tokens kept, and it goes back to the head of the queue to be recomputed.
+
+Overlap (`overlap=True`, the default on a single GPU): each step first queues the next batch on
+the device, its input ids taken on the device from the tokens the previous batch is still
+sampling, and only then waits for the previous batch's tokens and applies them. The host's work
+(scheduling, metadata, graph launch, bookkeeping) thus runs while the GPU computes. A request
+that turns out to have finished (stop token) was queued once more: that row's result is dropped
+and its KV freed when the step completes. Requests that finish on length are known ahead and
+never queued again. Retraction, aborts and pauses first complete the step in flight (`drain`)."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +22,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rollout.batch_builder import build_batch
+from rollout.batch_builder import build_batch, build_decode_batch
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
+from rollout.launched_step import HostSample, LaunchedStep
 from rollout.request import Request
 from rollout.sampler import SampleOutput
 from rollout.sampling_info import SamplingBatchInfo
@@ -33,6 +42,7 @@ class SchedulerStats:
     decode_tokens: int = 0
     retractions: int = 0
     aborted: int = 0
+    dropped_rows: int = 0  # overlap: rows queued for a request that had finished meanwhile
 
 
 @dataclass(frozen=True)
@@ -45,34 +55,56 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, allocator: KVAllocator, limits: SchedulerLimits, run_batch: RunBatch,
-                 device: torch.device):
+                 device: torch.device, overlap: bool = False):
         self.alloc, self.limits, self.run_batch, self.device = allocator, limits, run_batch, device
+        self.overlap = overlap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.weight_version = 0
         self._info_key: Optional[tuple[int, ...]] = None
         self._info: Optional[SamplingBatchInfo] = None
-        self.finished_pending: list[Request] = []  # aborted between steps, returned by the next step
+        self._inflight: Optional[LaunchedStep] = None
+        self.finished_pending: list[Request] = []  # finished between steps, returned by the next step
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; return the requests that finished in it (and any aborted before)."""
+        """Run one batch; return the requests that finished (and any aborted before). With
+        overlap, the batch run here completes in the next call, after its successor is queued."""
         done, self.finished_pending = self.finished_pending, []
-        batch = self._admit() or self._decode_batch()
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            launched = self._launch(prev=None)
+            if self.overlap or launched is None:
+                self._inflight = launched
+                return done
+            return done + self._complete(launched)
+        self._inflight = self._launch(prev)  # queued behind prev on the device
+        return done + self._complete(prev)
+
+    def drain(self) -> None:
+        """Complete the step in flight, if any (before a pause acts on the requests)."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self.finished_pending.extend(self._complete(step))
+
+    def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
+        batch = self._admit() or self._decode_batch(prev)
         if batch is None:
-            return done
+            return None
         reqs, fb = batch
         out = self.run_batch(fb)
         self.stats.steps += 1
-        return done + self._apply(reqs, out)
+        for r in reqs:
+            r.pending += 1
+        return LaunchedStep(reqs, out)
 
     def _admit(self) -> Optional[tuple[list[Request], ForwardBatch]]:
         picked, tokens = [], 0
@@ -95,51 +127,79 @@ class Scheduler:
         self.stats.prefill_tokens += tokens
         return picked, fb
 
-    def _decode_batch(self) -> Optional[tuple[list[Request], ForwardBatch]]:
-        while self.running and self.alloc.num_free_slots < len(self.running):
-            self._retract(self.running[-1])
-        if not self.running:
+    def _decode_batch(self, prev: Optional[LaunchedStep]) -> Optional[tuple[list[Request], ForwardBatch]]:
+        """Every running request that still needs a token. Behind a step in flight (`prev`),
+        a request's input id is the token prev is sampling for it; retraction then waits for
+        prev to complete (None here), as it frees KV and keeps the request's tokens."""
+        # Without overlap nothing is pending between steps, so no request ends by length unseen.
+        reqs = [r for r in self.running if not r.ends_by_length_when_applied] if self.overlap \
+            else list(self.running)
+        if len(reqs) > self.alloc.num_free_slots:
+            if prev is not None:
+                return None
+            while self.running and self.alloc.num_free_slots < len(self.running):
+                self._retract(self.running[-1])
+            reqs = list(self.running)
+        if not reqs:
             return None
-        reqs = list(self.running)
-        fb = self._build(ForwardMode.DECODE, reqs, [[r.all_ids[-1]] for r in reqs],
-                         [r.kv_len for r in reqs])
+        # host ints only: a pending request's input id is taken on the device below
+        tokens = [0 if r.pending else r.last_id for r in reqs]
+        fb = build_decode_batch([r.row for r in reqs], tokens, [r.kv_len for r in reqs], self.alloc,
+                                self.device)
+        self._check_built(fb, reqs)
+        fb.sampling_info = self._sampling_info(ForwardMode.DECODE, reqs, fb)
+        if prev is not None:
+            _take_pending_inputs(fb, reqs, prev)
         self.stats.decode_tokens += len(reqs)
         return reqs, fb
 
     def _build(self, mode: ForwardMode, reqs: Sequence[Request], tokens, prefix_lens) -> ForwardBatch:
-        info = self._sampling_info(mode, reqs)
-        fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device,
-                         sampling_info=info)
-        if fb is None:  # admission and retraction keep enough slots free; reaching here is a bug
-            raise RuntimeError("KV slots ran out after the scheduler reserved them")
+        fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device)
+        self._check_built(fb, reqs)
+        fb.sampling_info = self._sampling_info(mode, reqs, fb)
         return fb
 
-    def _sampling_info(self, mode: ForwardMode, reqs: Sequence[Request]) -> SamplingBatchInfo:
-        """Consecutive decodes of the same requests reuse the device tensors: each row's position
-        moves on by one, everything else stays."""
-        key = tuple(r.rid for r in reqs) if mode.is_decode else None
+    @staticmethod
+    def _check_built(fb: Optional[ForwardBatch], reqs: Sequence[Request]) -> None:
+        if fb is None:  # admission and retraction keep enough slots free; reaching here is a bug
+            raise RuntimeError("KV slots ran out after the scheduler reserved them")
+        for r, n in zip(reqs, fb.seq_lens_cpu):
+            r.kv_allocated = n
+
+    def _sampling_info(self, mode: ForwardMode, reqs: Sequence[Request], fb: ForwardBatch) -> SamplingBatchInfo:
+        """The position of the token each row samples is its `seq_lens` entry (tokens in the KV
+        cache after this step), so the batch's own `seq_lens` tensor serves as the sampling
+        positions. Consecutive decodes of the same requests reuse every other tensor."""
+        key = tuple([r.rid for r in reqs]) if mode.is_decode else None
         if key is not None and key == self._info_key:
-            self._info.positions += 1
+            self._info.positions = fb.seq_lens
             return self._info
         self._info = SamplingBatchInfo.build([r.params for r in reqs], [r.seed for r in reqs],
-                                             [r.position for r in reqs], self.limits.vocab_size,
-                                             self.device)
+                                             fb.seq_lens_cpu, self.limits.vocab_size, self.device)
+        self._info.positions = fb.seq_lens
         self._info_key = key
         return self._info
 
-    def _apply(self, reqs: list[Request], out: SampleOutput) -> list[Request]:
-        # the step's one device-to-host copy (token ids are exact in float64)
-        tokens, logprobs = torch.stack((out.tokens.double(), out.logprobs.double())).tolist()
-        tokens = [int(t) for t in tokens]
-        tops = _top_lists(out, reqs)
+    def _complete(self, step: LaunchedStep) -> list[Request]:
+        """Wait for a launched step's tokens and apply them; returns the requests it finished."""
+        sample = step.wait()
         finished = []
-        for i, req in enumerate(reqs):
-            req.append(tokens[i], logprobs[i], self.weight_version, tops[i] if tops else None)
-            req.check_finished(self.limits.eos_ids)
-            if req.finished:
-                finished.append(req)
-        for req in finished:
-            self._release(req)
+        version, eos = self.weight_version, self.limits.eos_ids
+        tops = sample.top_ids is not None
+        for i, req in enumerate(step.reqs):
+            req.pending -= 1
+            if req.finish_reason is not None:  # finished or aborted after this step was queued:
+                self.stats.dropped_rows += 1  # drop the row
+            else:
+                req.append(sample.tokens[i], sample.logprobs[i], version,
+                           _top(sample, i, req) if tops else None)
+                req.check_finished(eos)
+                if req.finish_reason is not None:
+                    finished.append(req)
+            if req.finish_reason is not None and req.pending == 0 and req.row is not None:
+                self._free_kv(req)
+        if finished:  # one pass, not a list.remove per finished request
+            self.running = [r for r in self.running if r.finish_reason is None]
         return finished
 
     # ---- retract / abort / release ------------------------------------------------------------
@@ -152,11 +212,15 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
-        self.alloc.free(req.row, req.kv_len)
-        req.row = None
+        self._free_kv(req)
+
+    def _free_kv(self, req: Request) -> None:
+        self.alloc.free(req.row, req.kv_allocated)
+        req.row, req.kv_allocated = None, 0
 
     def retract_all(self) -> None:
         """Move every running request back to the queue (their KV is recomputed later)."""
+        self.drain()
         for req in reversed(list(self.running)):
             self._retract(req)
 
@@ -167,6 +231,7 @@ class Scheduler:
         return None
 
     def abort_all(self) -> list[Request]:
+        self.drain()
         return [self._abort(r) for r in list(self.running) + list(self.waiting)]
 
     def _abort(self, req: Request) -> Request:
@@ -180,10 +245,25 @@ class Scheduler:
         return req
 
 
-def _top_lists(out: SampleOutput, reqs: list[Request]) -> Optional[list[Optional[list[tuple[int, float]]]]]:
-    if out.top_logprob_ids is None:
+def _top(sample: HostSample, i: int, req: Request) -> Optional[list[tuple[int, float]]]:
+    """Row i's top logprobs, cut to what the request asked for (None when it asked for none)."""
+    if sample.top_ids is None or not req.params.logprobs:
         return None
-    ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
-    # None for rows that asked for none, whatever the batch: their top_logprobs stay [].
-    return [list(zip(ids[i][:r.params.logprobs], vals[i][:r.params.logprobs]))
-            if r.params.logprobs else None for i, r in enumerate(reqs)]
+    k = req.params.logprobs
+    return list(zip(sample.top_ids[i][:k], sample.top_values[i][:k]))
+
+
+def _take_pending_inputs(fb: ForwardBatch, reqs: Sequence[Request], prev: LaunchedStep) -> None:
+    """Input ids of the requests whose last token prev is still sampling: copied on the device.
+    In the steady state (the same requests in the same order, all pending) that is one copy."""
+    if len(reqs) == len(prev.reqs) and all(a is b and a.pending for a, b in zip(reqs, prev.reqs)):
+        fb.input_ids.copy_(prev.tokens)
+        return
+    pairs = [(i, prev.row_of[r.rid]) for i, r in enumerate(reqs) if r.pending]
+    if not pairs:
+        return
+    idx = torch.tensor(pairs, dtype=torch.int64).T
+    if fb.input_ids.device.type == "cuda":
+        idx = idx.pin_memory()
+    dst, src = idx.to(fb.input_ids.device, non_blocking=True)
+    fb.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))

@@ -56,6 +56,53 @@ def test_push_into_tp2_replica(ctl, trainer, transport):
     sender.close()
 
 
+def test_ipc_layout_registered_once_and_again_for_a_shard_that_lost_it(ctl, trainer):
+    """Registered IPC through Ray: the layout goes to every shard once, then only its id; a
+    shard without it (as a rebuilt replica) makes the sender register again, transparently."""
+    import ray
+    sender = WeightSender(ctl, "ipc", bucket_bytes=64 << 10)
+    for seed in (41, 42):
+        perturb(trainer, seed=seed)
+        sender.push(trainer.named_parameters())
+    assert sender._ipc.registrations == 1 and "register" not in sender.last.extra
+    ray.get([s.drop_ipc_layouts.remote() for s in ctl.replicas[-1].shards])
+    perturb(trainer, seed=43)
+    assert sender.push(trainer.named_parameters()) == ctl.weight_version
+    assert sender.last.extra.get("reregistered") == 1.0 and sender._ipc.registrations == 1
+    for replica in range(ctl.num_replicas):
+        assert (ctl.prefill_logits(PROMPTS, replica) - hf_logits(trainer)).abs().max() <= 1e-5
+    assert ctl.weight_sync_free_bytes() is None  # CPU shards: the default bucket size
+    sender.close()  # every shard unmaps the trainer's memory
+    shards = [s for r in ctl.replicas for s in r.shards]
+    assert ray.get([s.__ray_call__.remote(lambda self: self.updater.ipc_layouts.ids())
+                    for s in shards]) == [[]] * len(shards)
+
+
+def test_ranks_that_loaded_while_another_failed_make_the_replica_refuse(ctl, trainer):
+    """One rank of a TP replica fails before writing while the other loads: a mix of two
+    versions, so the replica refuses to generate until a complete update lands."""
+    import ray
+    replica = ctl.replicas[0]
+    if replica.tp_size == 1:
+        pytest.skip("needs a TP replica")
+    sender = WeightSender(ctl, "ipc", bucket_bytes=64 << 10)
+    sender.push(trainer.named_parameters())
+    ray.get(replica.shards[1].drop_ipc_layouts.remote())
+    perturb(trainer, seed=44)
+    sender._ipc.prepare([(n, p.detach()) for n, p in trainer.named_parameters()], False)
+    ray.get(replica.leader.pause.remote(None))  # as the controller does, minus its precheck
+    try:
+        errors, _ = ctl._apply_everywhere("ipc", sender._ipc.current.layout.ref, False, [replica])
+    finally:
+        ray.get(replica.leader.resume.remote())
+    assert errors and "not registered here" in str(errors[0])
+    with pytest.raises(EngineNotReadyError, match="the other ranks loaded"):
+        ctl.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    sender.push(trainer.named_parameters())  # registers again on rank 1; complete again
+    assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
+    sender.close()
+
+
 @pytest.mark.parametrize("case", list(BAD_UPDATES))
 def test_bad_update_leaves_tp2_replica_untouched(ctl, trainer, case):
     before, version = ctl.prefill_logits(PROMPTS), ctl.weight_version

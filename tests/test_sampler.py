@@ -81,3 +81,20 @@ def test_unfiltered_rows_draw_the_same_whatever_the_other_rows_filter():
     mixed_logits = torch.cat((logits, logits[:1])).contiguous()
     info = SamplingBatchInfo.build(plain + [SamplingParams(top_k=3)], range(201), [5] * 201, VOCAB, cpu)
     assert torch.equal(sample(mixed_logits, info).tokens[:200], alone.tokens)
+
+
+def test_blocked_inverse_cdf_equals_the_flat_one():
+    """The GPU's two-level inverse CDF picks the token the full float64 prefix sum picks, for
+    peaked and flat rows, zeros (filtered tokens), a vocabulary that is not a multiple of the
+    block, and uniforms at the edges."""
+    from rollout.sampler import inverse_cdf, inverse_cdf_blocked
+    g = torch.Generator().manual_seed(0)
+    vocab = 3 * 1024 + 77
+    logits = torch.randn(64, vocab, generator=g) * torch.linspace(0.1, 8, 64).view(-1, 1)
+    probs = torch.softmax(logits, -1)
+    probs[::3] *= (torch.rand(probs[::3].shape, generator=g) > 0.5)  # filtered-out tokens
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
+    flat, blocked = inverse_cdf(probs, u), inverse_cdf_blocked(probs, u)
+    assert blocked.shape == flat.shape == (64, 1)
+    assert torch.equal(blocked, flat)

@@ -26,6 +26,8 @@ from rollout.tiny_model import TinyModelSpec, default_tiny_model_dir, make_tiny_
 from weight_sync import WeightSender
 from weight_sync.bucket import pack_buckets
 from weight_sync.ipc import IpcExport, IpcHandle, IpcHandleError, IpcImport, host_id
+from weight_sync.ipc_layout import IpcLayout
+from weight_sync.spec import TensorSpec
 from weight_sync.process_group import GroupAddress, WeightSyncGroup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,28 @@ def test_weight_sync_group_listens_on_its_address_only(host):
     group.destroy()
     assert len(opened) >= 2, opened
     assert {h for h, _ in opened} == {host}, opened
+
+
+@needs_proc
+def test_shard_push_channel_listens_on_loopback_only():
+    """The IPC push channel a single-rank leader opens (`open_push_channel`): 127.0.0.1, an
+    OS-chosen port, a fresh secret token; closed by the shard's shutdown."""
+    shard = RolloutShard(EngineConfig(kv_cache_tokens=64), 0, 1)
+    shard.engine = object()  # stands in for the leader's engine: the channel only needs a leader
+    before = listening_addresses()
+    info = shard.open_push_channel()
+    opened = listening_addresses() - before
+    try:
+        assert opened == {("127.0.0.1", info.port)}, opened
+        assert info.host == "127.0.0.1" and len(info.token) >= 64
+        assert shard.open_push_channel() == info  # opened once
+    finally:
+        shard._push_channel.close()
+    assert not listening_addresses() - before
+    follower = RolloutShard(EngineConfig(kv_cache_tokens=64), 0, 2)
+    follower.engine = object()
+    with pytest.raises(RuntimeError, match="single-rank"):
+        follower.open_push_channel()
 
 
 # ---- no unpickling ---------------------------------------------------------------------------------
@@ -184,4 +208,13 @@ def test_cuda_ipc_handle_cannot_name_the_function_called(tmp_path):
     handle = IpcHandle(meta, host_id(), cuda=(Path.touch, (marker,)))
     with pytest.raises(IpcHandleError, match="only torch's rebuild_cuda_tensor"):
         IpcImport(handle, torch.device("cpu"))
-    assert not marker.exists()
+    # a registered layout (the trainer's own tensors, or staging buckets) is held to the same rule
+    engine = Engine(EngineConfig(kv_cache_tokens=64))
+    spec = TensorSpec("model.norm.weight", (64,), torch.float32)
+    norm = IpcHandle(pack_buckets([(spec.name, torch.ones(64))])[0].meta, host_id(),
+                     cuda=(Path.touch, (marker,)))
+    for layout in (IpcLayout("a", host_id(), 1, (spec,), tensors=((Path.touch, (marker,)),)),
+                   IpcLayout("b", host_id(), 1, (spec,), buckets=(norm,))):
+        with pytest.raises(WeightUpdateError, match="only torch's rebuild_cuda_tensor"):
+            engine.update_weights_from_ipc(layout, allow_partial=True)
+    assert not marker.exists() and engine.weight_version == 0

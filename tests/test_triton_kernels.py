@@ -107,6 +107,27 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     assert (out - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_kernel_equals_indexed_assignment(dtype):
+    """The fused KV store writes exactly what `buf[loc] = x.to(buf.dtype)` writes, from strided
+    views of a fused QKV output, and nothing else (poisoned buffers)."""
+    from rollout.attention.triton_kernels.store_kv import rows_are_flat, store_kv
+    if DEV.type == "cpu" and dtype is torch.bfloat16:
+        pytest.skip("the interpreter runs the fp32 case; bf16 runs on the GPU")
+    tokens, kv_heads, head_dim = 7, 2, 24
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, device=DEV)
+    k = qkv[:, 4 * head_dim:(4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    assert rows_are_flat(k) and rows_are_flat(v) and not k.is_contiguous()
+    loc = torch.randperm(40, device=DEV)[:tokens]
+    bufs = [torch.full((40, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEV) for _ in range(4)]
+    store_kv(k, v, loc, bufs[0], bufs[1])
+    bufs[2][loc], bufs[3][loc] = k.to(dtype), v.to(dtype)
+    for got, want in ((bufs[0], bufs[2]), (bufs[1], bufs[3])):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("head_dim", [16, 24])
 def test_extend_kernel_matches_reference(head_dim):
     p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=head_dim, seed=1)

@@ -40,31 +40,38 @@ class IpcHandle:
 
 
 class IpcExport:
-    """Trainer side: one bucket made reachable by other processes of this host. Keep it alive
-    until the receivers have copied, then `close()`."""
+    """Trainer side: one bucket made reachable by other processes of this host (`flat` is the
+    exported memory). Keep it alive until the receivers have copied, then `close()`."""
 
-    def __init__(self, bucket: Bucket):
-        flat = bucket.flat
+    def __init__(self, bucket: Bucket, copy: bool = True):
+        meta, flat = bucket.meta, bucket.flat
+        self._shm = None
         if flat.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
-            self._shm = None
-            self._keep = flat
-            self.handle = IpcHandle(bucket.meta, host_id(), cuda=reduce_tensor(flat),
-                                    device_uuid=_device_uuid(flat.device))
+            self.flat = flat
+            self.handle = IpcHandle(meta, host_id(), cuda=reduce_tensor(flat),
+                                    device_uuid=_device_uuid(flat.device), pid=os.getpid())
             return
-        nbytes = max(1, bucket.meta.nbytes)
-        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
-        view = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=bucket.meta.nbytes)
-        view.copy_(flat.contiguous().view(torch.uint8))
-        del view
-        self.handle = IpcHandle(bucket.meta, host_id(), shm_name=self._shm.name, pid=os.getpid())
+        self._shm = shared_memory.SharedMemory(create=True, size=max(1, meta.nbytes))
+        self.flat = (torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=meta.nbytes).view(meta.dtype)
+                     if meta.nbytes else torch.empty(0, dtype=meta.dtype))
+        if copy:
+            self.flat.copy_(flat.reshape(-1))
+        self.handle = IpcHandle(meta, host_id(), shm_name=self._shm.name, pid=os.getpid())
+
+    @classmethod
+    def staging(cls, meta: BucketMeta, device: torch.device) -> "IpcExport":
+        """An exported bucket with undefined contents, to pack into on every push."""
+        if device.type == "cuda":
+            return cls(Bucket(meta, torch.empty(meta.numel, dtype=meta.dtype, device=device)))
+        return cls(Bucket(meta, torch.empty(0, dtype=meta.dtype)), copy=False)
 
     def close(self) -> None:
+        self.flat = None  # first: the shared-memory block cannot close while a view exports it
         if self._shm is not None:
-            self._shm.close()
+            _close_shm(self._shm)
             self._shm.unlink()
             self._shm = None
-        self._keep = None
 
 
 class IpcImport:
@@ -81,15 +88,11 @@ class IpcImport:
             self.flat = self._open_shm(handle)
 
     def _open_cuda(self, handle: IpcHandle, device: torch.device) -> torch.Tensor:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-        fn, args = handle.cuda
-        if fn is not rebuild_cuda_tensor:  # the handle names the function we call: only torch's
-            raise IpcHandleError(f"CUDA IPC handle asks to call {getattr(fn, '__name__', fn)!r}; only "
-                                 "torch's rebuild_cuda_tensor is accepted")
+        check_rebuild_fn(handle.cuda)
         if device.type != "cuda" or _device_uuid(device) != handle.device_uuid:
             raise IpcHandleError("CUDA IPC handle is for another GPU: the trainer must be colocated on "
                                  "the shard's GPU")
-        return fn(*args)
+        return open_cuda_tensor(handle.cuda, device)
 
     def _open_shm(self, handle: IpcHandle) -> torch.Tensor:
         try:
@@ -104,13 +107,45 @@ class IpcImport:
     def close(self) -> None:
         self.flat = None
         if self._shm is not None:
-            self._shm.close()
+            _close_shm(self._shm)
             self._shm = None
+
+
+def open_cuda_tensor(reduced: tuple[Any, tuple], device: torch.device) -> torch.Tensor:
+    """Open one `reduce_tensor` result on `device` (the same GPU, checked by the caller): only
+    torch's `rebuild_cuda_tensor` is called, with the device index as this process numbers that
+    GPU (the trainer may see it under another index, e.g. with CUDA_VISIBLE_DEVICES)."""
+    fn, args = check_rebuild_fn(reduced)
+    args = tuple(args)
+    if len(args) > _DEVICE_ARG and isinstance(args[_DEVICE_ARG], int) and device.index is not None:
+        args = args[:_DEVICE_ARG] + (device.index,) + args[_DEVICE_ARG + 1:]
+    return fn(*args)
+
+
+def check_rebuild_fn(reduced: tuple[Any, tuple]) -> tuple[Any, tuple]:
+    """A handle names the function the receiver calls: only torch's rebuild_cuda_tensor."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    fn, args = reduced
+    if fn is not rebuild_cuda_tensor:
+        raise IpcHandleError(f"CUDA IPC handle asks to call {getattr(fn, '__name__', fn)!r}; only "
+                             "torch's rebuild_cuda_tensor is accepted")
+    return fn, args
+
+
+_DEVICE_ARG = 6  # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, device, ...)
 
 
 def _device_uuid(device: torch.device) -> str:
     props = torch.cuda.get_device_properties(device)
     return str(getattr(props, "uuid", device.index))
+
+
+def _close_shm(shm: shared_memory.SharedMemory) -> None:
+    """Unmap the block; if views of it are still alive somewhere, the mapping goes with them."""
+    try:
+        shm.close()
+    except BufferError:
+        pass
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:

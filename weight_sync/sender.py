@@ -1,6 +1,10 @@
 """WeightSender: the trainer side. Packs HF-named full tensors into buckets and pushes them into
 any target that has the `update_weights_*` methods (an Engine or a RolloutController) over one
-of four transports. `push` returns the version the target now serves."""
+of four transports. `push` returns the version the target now serves.
+
+Without an explicit `bucket_bytes` the bucket size comes from the receiving side's free device
+memory (`bucket_size.py`). The ipc transport registers the weight layout once
+(`ipc_registry.py`) and then sends only the layout id per push."""
 from __future__ import annotations
 
 import logging
@@ -8,16 +12,19 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
 
-from weight_sync.bucket import DEFAULT_BUCKET_BYTES, UpdateManifest, pack, pack_buckets, plan_buckets
+from weight_sync.bucket import UpdateManifest, pack, pack_buckets, plan_buckets
+from weight_sync.bucket_size import resolve_bucket_bytes
 from weight_sync.disk import save_atomic
 from weight_sync.errors import WeightUpdateError
-from weight_sync.ipc import IpcExport
+from weight_sync.ipc_layout import IpcLayoutUnknownError
+from weight_sync.ipc_registry import IpcRegistry
 from weight_sync.process_group import GroupAddress, WeightSyncGroup, free_port
 from weight_sync.spec import specs_of
 
@@ -33,16 +40,29 @@ class PushTimings:
     transfer: float = 0.0  # transfer + load as seen from the trainer
     total: float = 0.0
     nbytes: int = 0
+    bucket_bytes: int = 0  # the bucket size in use (given, or chosen from free memory)
     extra: dict[str, float] = field(default_factory=dict)
 
 
 class WeightSender:
-    def __init__(self, target: Any, transport: str = "tensor", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, target: Any, transport: str = "tensor", *, bucket_bytes: Optional[int] = None,
                  sync_dir: Optional[str] = None, host: str = "127.0.0.1", group_timeout_s: float = 60.0,
-                 backend: Optional[str] = None, checksum: bool = False):
+                 backend: Optional[str] = None, checksum: bool = False,
+                 ipc_staging: Optional[bool] = None):
+        """`bucket_bytes`: None picks it from the receivers' free device memory at the first push
+        (`bucket_source` says how). `ipc_staging` (ipc on CUDA): None registers the trainer's own
+        tensors and switches to staging buckets if they move every push; True always stages.
+        `checksum`: a CRC32 per bucket (tensor transport); registered ipc layouts are read in
+        place from the trainer's memory and carry none."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.target, self.transport, self.bucket_bytes = target, transport, bucket_bytes
+        self.target, self.transport = target, transport
+        self.bucket_bytes: Optional[int] = None
+        self.bucket_source = ""
+        if bucket_bytes is not None:
+            self.bucket_bytes, self.bucket_source = resolve_bucket_bytes(target, bucket_bytes)
+        self.ipc_staging = ipc_staging
+        self._ipc: Optional[IpcRegistry] = None
         self.host, self.group_timeout_s, self.backend, self.checksum = host, group_timeout_s, backend, checksum
         self._own_dir = sync_dir is None
         self.sync_dir = Path(sync_dir or tempfile.mkdtemp(prefix="weight-sync-"))
@@ -57,10 +77,17 @@ class WeightSender:
         """Send every (HF name, full tensor); returns the target's new weight version.
         `pause_mode` (abort | retract | in_place) overrides the target's for this update."""
         self._pause_mode = pause_mode
-        named = [(n, t.detach()) for n, t in named_tensors]
+        if self.transport == "ipc":  # the registry checks (and, to register, detaches) them
+            named = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
+        else:
+            named = [(n, t.detach()) for n, t in named_tensors]
         version = self.target.weight_version + 1 if version is None else version
         start = time.perf_counter()
-        self.last = PushTimings(nbytes=sum(t.numel() * t.element_size() for _, t in named))
+        if self.bucket_bytes is None and self.transport != "disk":  # disk writes files, not buckets
+            self.bucket_bytes, self.bucket_source = resolve_bucket_bytes(self.target, None)
+        self.last = PushTimings(bucket_bytes=self.bucket_bytes or 0)
+        if self.transport != "ipc":  # ipc: the registration's size
+            self.last.nbytes = sum(t.numel() * t.element_size() for _, t in named)
         new_version = getattr(self, f"_push_{self.transport}")(named, version, allow_partial)
         self.last.total = time.perf_counter() - start
         return new_version
@@ -86,16 +113,35 @@ class WeightSender:
             shutil.rmtree(path, ignore_errors=True)
 
     def _push_ipc(self, named, version, allow_partial) -> int:
+        """The layout is registered once (receivers open it and plan their copies); a push
+        then sends its id. A receiver without it (rebuilt replica) is sent the layout again."""
         t0 = time.perf_counter()
-        exports = [IpcExport(b) for b in pack_buckets(named, self.bucket_bytes, None, self.checksum)]
-        self.last.pack = time.perf_counter() - t0
-        try:
+        if self._ipc is None:
+            self._ipc = IpcRegistry(self.bucket_bytes, self.ipc_staging)
+            weakref.finalize(self, self._ipc.close)  # a sender never closed still frees its blocks
+        registrations = self._ipc.registrations
+        reg = self._ipc.prepare(named, allow_partial)
+        self.last.pack = time.perf_counter() - t0  # registration, or a pointer check + sync / staging copy
+        self.last.nbytes = reg.nbytes
+        if self._ipc.registrations != registrations:
+            self.last.extra["register"] = self.last.pack
+
+        def send(payload) -> int:
             return self._timed(lambda: self.target.update_weights_from_ipc(
-                [e.handle for e in exports], version=version, allow_partial=allow_partial,
-            pause_mode=self._pause_mode))
-        finally:
-            for e in exports:
-                e.close()
+                payload, version=version, allow_partial=allow_partial, pause_mode=self._pause_mode))
+        if not reg.confirmed:
+            result = send(reg.layout)
+            self._ipc.confirm(reg)
+            return result
+        try:  # a RolloutController sends the id over its replicas' push channels (no Ray call)
+            result = send(reg.layout.ref)
+            if getattr(self.target, "last_ipc_path", "") == "channel":
+                self.last.extra["channel"] = 1.0
+            return result
+        except IpcLayoutUnknownError as e:
+            logger.info("re-registering IPC layout %s: %s", reg.layout.layout_id, e)
+            self.last.extra["reregistered"] = 1.0
+            return send(reg.layout)
 
     def _push_nccl(self, named, version, allow_partial) -> int:
         tensors = dict(named)
@@ -150,6 +196,13 @@ class WeightSender:
         joiner.join()
 
     def close(self) -> None:
+        if self._ipc is not None:
+            ids = self._ipc.close()
+            try:  # receivers unmap the trainer's memory
+                if ids:
+                    self.target.drop_ipc_layouts(ids)
+            except Exception as e:  # noqa: BLE001 — closing must not mask the caller's error
+                logger.warning("drop_ipc_layouts failed: %s", e)
         if self.group is not None:
             try:
                 self.target.destroy_weights_update_group()

@@ -3,12 +3,14 @@
 Every path validates the whole update (names, shapes, dtypes; checksums and finiteness where
 the bytes are already here) against the shard's parameter table before the first write, then
 loads through the model's in-place `load_weights`. A failure after the first write marks the
-shard incomplete: its engine refuses to generate until a complete update lands."""
+shard incomplete: its engine refuses to generate until a complete update lands. Registered IPC
+layouts (`ipc_receiver.py`) are validated once, when registered; their pushes replay a copy plan
+recorded from that same load path."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -16,6 +18,8 @@ from weight_sync import checkpoint
 from weight_sync.bucket import Bucket, BucketMeta, UpdateManifest, verify, views
 from weight_sync.errors import WeightUpdateError
 from weight_sync.ipc import IpcHandle, IpcHandleError, IpcImport
+from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
+from weight_sync.ipc_receiver import IpcLayouts
 from weight_sync.process_group import GroupAddress, WeightSyncGroup, WeightSyncGroupError
 from weight_sync.spec import TensorSpec
 
@@ -38,6 +42,7 @@ class WeightUpdater:
         self.target, self.check_finite = target, check_finite
         self.incomplete_reason: Optional[str] = None
         self.group: Optional[WeightSyncGroup] = None
+        self.ipc_layouts = IpcLayouts()
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self, specs: Sequence[TensorSpec], allow_partial: bool, exact_dtype: bool = True) -> None:
@@ -71,7 +76,14 @@ class WeightUpdater:
         self.validate(checkpoint.read_specs(files), allow_partial, exact_dtype=False)
         return self._load(checkpoint.iter_slices(files), allow_partial)
 
-    def from_ipc(self, handles: Sequence[IpcHandle], allow_partial: bool = False) -> int:
+    def from_ipc(self, payload: Union[IpcLayout, IpcLayoutRef, Sequence[IpcHandle]],
+                 allow_partial: bool = False) -> int:
+        """A registered layout (`IpcLayout`: validated, opened and planned once, then loaded),
+        a push of one (`IpcLayoutRef`: a lookup and the copy plan, nothing re-validated), or
+        per-push bucket handles (opened, checked and loaded each time)."""
+        if isinstance(payload, (IpcLayout, IpcLayoutRef)):
+            return self._from_layout(payload, allow_partial)
+        handles = payload
         self.validate([s for h in handles for s in h.meta.specs()], allow_partial)
         opened = []
         try:
@@ -85,6 +97,30 @@ class WeightUpdater:
         finally:
             for o in opened:
                 o.close()
+
+    def _from_layout(self, payload: Union[IpcLayout, IpcLayoutRef], allow_partial: bool) -> int:
+        if isinstance(payload, IpcLayout):
+            layout = self.ipc_layouts.register(payload, self.target, allow_partial, self.validate)
+        else:
+            layout = self.ipc_layouts.get(payload, allow_partial)
+            self.target.validate_weights((), WeightUpdateError)  # only: the weights are resident
+        if self.check_finite:
+            bad = next((n for n, t in layout.opened.named()
+                        if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                raise WeightUpdateError(f"tensor {bad!r} holds NaN or inf (check_finite is on)")
+        self._begin(allow_partial)
+        try:
+            count = layout.load(self.target)
+        except Exception as e:  # noqa: BLE001 — the shard now holds a mix: say so and refuse
+            self._fail(f"loading failed after the first write: {e}")
+            raise WeightUpdateError(self.incomplete_reason) from e
+        return self._done(count, allow_partial)
+
+    def precheck(self, kind: str, payload) -> None:
+        """Before pausing generation: a push of a layout this shard does not hold fails now."""
+        if kind == "ipc" and isinstance(payload, IpcLayoutRef):
+            self.ipc_layouts.get(payload, allow_partial=True)
 
     def join_group(self, addr: GroupAddress, rank: int) -> None:
         if self.group is not None:
@@ -170,7 +206,8 @@ UPDATE_KINDS = ("tensor", "disk", "ipc", "distributed")
 
 def apply_update(updater: WeightUpdater, kind: str, payload, allow_partial: bool = False) -> int:
     """One entry point for every transport (what a remote shard is asked to do): `payload` is
-    the buckets, the checkpoint path, the IPC handles or the manifest."""
+    the buckets, the checkpoint path, the IPC handles (or registered layout / layout ref), or
+    the manifest."""
     if kind == "tensor":
         return updater.from_buckets(payload, allow_partial)
     if kind == "disk":

@@ -9,6 +9,7 @@ from torch import nn
 
 from rollout.config import ceil_div
 from rollout.distributed import SINGLE, TPGroup
+from rollout.layers.linear import cpu_linear
 from rollout.layers.weight_attrs import copy_into, make_param
 
 
@@ -41,5 +42,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → full-vocabulary logits (each rank's slice, gathered)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(cpu_linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

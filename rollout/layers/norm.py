@@ -33,9 +33,14 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; the same math as below when nothing is cast
-            return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm in plain torch (the CPU path)."""
+    if x.dtype == torch.float32:  # one fused op; the same math as below when nothing is cast
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)

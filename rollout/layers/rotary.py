@@ -1,7 +1,10 @@
 """Rotary position embedding (HF's rotate-half layout) with optional Llama-3 frequency scaling.
 
 cos/sin are tabulated once for every position in float32; a forward looks them up once per
-step (`lookup`) and every layer applies them to q and k together."""
+step and every layer applies them to q and k together. The CUDA kernel takes the half tables
+(`lookup`); the CPU path (`lookup_full` + `apply_rotary_full_`) takes full-width tables, cos
+repeated and sin signed as [-sin, sin], so a rotation is four in-place torch ops with the same
+roundings as `apply_rotary`."""
 from __future__ import annotations
 
 import math
@@ -40,14 +43,38 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [P, head_dim / 2]
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of shape [T, 1, head_dim / 2] for the step's positions."""
         return (self.cos_cache[positions].unsqueeze(1).to(dtype),
                 self.sin_cache[positions].unsqueeze(1).to(dtype))
 
+    def lookup_full(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """([cos, cos], [-sin, sin]) of shape [T, 1, head_dim] in `dtype`, for `apply_rotary_full_`.
+        The tables are made on first use per dtype (values rounded to `dtype` once, as `lookup`
+        rounds them; negation is exact)."""
+        tables = self._full.get(dtype)
+        if tables is None or tables[0].device != self.cos_cache.device:
+            cos, sin = self.cos_cache.to(dtype), self.sin_cache.to(dtype)
+            tables = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+            self._full[dtype] = tables
+        return (tables[0].index_select(0, positions).unsqueeze(1),
+                tables[1].index_select(0, positions).unsqueeze(1))
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] → x·cos + rotate_half(x)·sin, computed on the two halves."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_full_(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in place on x [T, heads, head_dim] (a view is fine), with the tables of
+    `RotaryEmbedding.lookup_full`: x·[cos, cos] + [x2, x1]·[-sin, sin]. Each product is rounded
+    and then summed, as in `apply_rotary` (x2·(-sin) is exactly -(x2·sin)), so the result is
+    bit for bit the same."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    x.mul_(cos_full)
+    return x.add_(swapped.mul_(sin_signed))

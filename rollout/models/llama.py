@@ -11,9 +11,10 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from rollout.layers.norm import RMSNorm
-from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   cpu_linear)
+from rollout.layers.norm import RMSNorm, rms_norm_ref
+from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
 from rollout.models.weight_table import WeightTable
 
 
@@ -46,7 +47,7 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
                                dim=1)
-            qk = apply_rotary(qk, *rope)  # q and k heads together: one rotation per layer
+            apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v.view(n, self.kv_heads, d), fb))
 
@@ -65,7 +66,7 @@ class MLP(nn.Module):
             from rollout.layers import triton_ops
             return self.down_proj(triton_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -90,6 +91,55 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                    residual: Optional[torch.Tensor],
+                    fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on CPU tensors, op for op the same torch calls as the modules' CPU branches,
+        written flat: at batch 1 a step is bound by per-call host overhead, and the ~10 module
+        calls and ~25 module attribute lookups per layer cost more than its elementwise math."""
+        (in_w, post_w, eps, qkv_w, qkv_b, o_w, gu_w, down_w, q_norm, k_norm, attn, heads, kv_heads,
+         head_dim, qk_size, kv_size, inter, tp) = self._cpu_refs()
+        if residual is None:
+            residual, x = h, rms_norm_ref(h, in_w, eps)
+        else:
+            residual = h + residual
+            x = rms_norm_ref(residual, in_w, eps)
+        n = x.shape[0]
+        qk, v = cpu_linear(x, qkv_w, qkv_b).split([qk_size, kv_size], dim=-1)
+        qk = qk.view(n, heads + kv_heads, head_dim)
+        if q_norm is not None:
+            qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
+        apply_rotary_full_(qk, *rope)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        out = fb.attn_backend.forward(q, k, v.view(n, kv_heads, head_dim), attn, fb)
+        h = _row_linear(out.reshape(n, heads * head_dim), o_w, tp, self.self_attn.o_proj.bias)
+        residual = h + residual
+        x = rms_norm_ref(residual, post_w, eps)
+        gate, up = cpu_linear(x, gu_w).split(inter, dim=-1)
+        return _row_linear(nn.functional.silu(gate).mul_(up), down_w, tp, self.mlp.down_proj.bias), residual
+
+    def _cpu_refs(self) -> tuple:
+        """The tensors and sizes `forward_cpu` reads, looked up once. Parameters are updated in
+        place (weight loading and sync copy into them), so references to them stay valid."""
+        refs = self.__dict__.get("_refs")
+        if refs is None:
+            a, m = self.self_attn, self.mlp
+            assert self.input_layernorm.eps == self.post_attention_layernorm.eps
+            refs = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                    self.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                    m.gate_up_proj.weight, m.down_proj.weight, a.q_norm, a.k_norm, a.attn, a.heads,
+                    a.kv_heads, a.attn.head_dim, a.qkv_proj.q_size + a.qkv_proj.kv_size,
+                    a.qkv_proj.kv_size, m.inter, a.o_proj.tp)
+            self.__dict__["_refs"] = refs  # a plain attribute: not a parameter, not in state_dict
+        return refs
+
+
+def _row_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """RowParallelLinear.forward on CPU."""
+    out = tp.all_reduce(cpu_linear(x, weight))
+    return out if bias is None else out + bias
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, qk_norm: bool):
@@ -103,9 +153,15 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.lookup(positions, h.dtype)
-        for layer in self.layers:
-            h, residual = layer(rope, h, residual, fb)
+        # once per step, shared by every layer: half tables for the CUDA kernel, full on CPU
+        if h.is_cuda:
+            rope = self.rotary.lookup(positions, h.dtype)
+            for layer in self.layers:
+                h, residual = layer(rope, h, residual, fb)
+        else:
+            rope = self.rotary.lookup_full(positions, h.dtype)
+            for layer in self.layers:
+                h, residual = layer.forward_cpu(rope, h, residual, fb)
         return self.norm(h, residual)[0]
 
 
