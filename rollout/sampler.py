@@ -7,6 +7,8 @@ token by inverse-CDF over the filtered distribution. A row's draw thus never dep
 other requests share the batch, and needs no generator state."""
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -104,9 +106,29 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
 CDF_BLOCK = 1024
 
 
+_cpu_scratch = threading.local()
+_CPU_SCRATCH_MAX = 2 << 20  # elements (16 MiB of float64) kept per thread at most
+
+
+def _cpu_cdf_buffer(shape: torch.Size) -> torch.Tensor:
+    """A float64 CPU buffer of `shape`, reused by this thread's calls: a fresh one (2 MB at
+    64 x 4096) costs several times the scan itself in page faults. The caller must be done with
+    it before its next call (`sample` returns only tensors computed from it)."""
+    n = math.prod(shape)
+    if n > _CPU_SCRATCH_MAX:  # large batches x vocabularies: not worth holding on to
+        return torch.empty(shape, dtype=torch.float64)
+    buf = getattr(_cpu_scratch, "cdf", None)
+    if buf is None or buf.numel() < n:
+        buf = _cpu_scratch.cdf = torch.empty(n, dtype=torch.float64)
+    return buf[:n].view(shape)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B, 1]: the first index whose float64 prefix sum of `probs` exceeds u * total."""
-    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    if probs.device.type == "cpu":  # the same scan (cumsum with dtype= casts first), in place
+        cdf = _cpu_cdf_buffer(probs.shape).copy_(probs).cumsum_(-1)  # in a reused buffer
+    else:
+        cdf = torch.cumsum(probs, -1, dtype=torch.float64)
     target = u.view(-1, 1).mul(cdf[:, -1:])
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
 

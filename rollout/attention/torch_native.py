@@ -41,6 +41,25 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, runner) -> None:
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.meta: PaddedMetadata | None = None
+        # CPU only: K/V gathers land in two buffers reused by every layer and step (a fresh
+        # multi-MB tensor per gather costs more in page faults than the gather itself), and
+        # the block-diagonal query of `_decode_matmul_cpu`, zero off its diagonal blocks
+        self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._qexp: torch.Tensor | None = None
+
+    def _gather_kv(self, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor):
+        """CPU: K and V rows of `slots`, gathered into the reused buffers (views of them; valid
+        until the next layer's gather)."""
+        n = slots.shape[0]
+        bufs = self._gather_bufs
+        if (bufs is None or bufs[0].shape[0] < n or bufs[0].shape[1:] != kb.shape[1:]
+                or bufs[0].dtype != kb.dtype or bufs[1].shape[1:] != vb.shape[1:]
+                or bufs[1].dtype != vb.dtype):
+            rows = max(n, bufs[0].shape[0] if bufs is not None else 0)
+            bufs = self._gather_bufs = (kb.new_empty((rows, *kb.shape[1:])),
+                                        vb.new_empty((rows, *vb.shape[1:])))
+        return (torch.index_select(kb, 0, slots, out=bufs[0][:n]),
+                torch.index_select(vb, 0, slots, out=bufs[1][:n]))
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode:
@@ -98,6 +117,10 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward_decode(self, q, layer, fb):
         if q.shape[0] >= DECODE_MATMUL_MIN_BATCH:
+            if q.device.type == "cpu":
+                pool = fb.token_to_kv_pool
+                if pool.k_buffers[layer.layer_id].dtype == q.dtype == pool.v_buffers[layer.layer_id].dtype:
+                    return self._decode_matmul_cpu(q, layer, fb)
             return self._decode_matmul(q, layer, fb)
         # q [B, H, D] → [B, H, 1, D] is a view; the output comes back as [B, H, 1, D]
         return self._attend_hq(q.unsqueeze(2), layer, fb).reshape(q.shape)
@@ -122,6 +145,35 @@ class TorchNativeBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1)
         return torch.matmul(probs, v.transpose(1, 2)).view(bs, heads, dim)
 
+    def _decode_matmul_cpu(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        """`_decode_matmul` on CPU without copying K or V. A gathered K row [Hkv * D] holds all
+        KV heads; scores [B, H, L] = Q' · Kᵀ where Q' [B, H, Hkv * D] carries each query head in
+        its KV head's block and zeros elsewhere (the zero products add exact zeros), so Kᵀ is a
+        transposed view that bmm reads in place. P · V [B, H, Hkv * D] then holds each head's
+        output in its KV head's block: the diagonal blocks are the result. The permutes that
+        `_decode_matmul` feeds to matmul copy K and V ([B, L, Hkv, D] each) every layer; here
+        the extra multiply-adds (Hkv× on tiny matrices) cost less."""
+        pool, m = fb.token_to_kv_pool, self.meta
+        kb, vb = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        bs, heads, dim = q.shape
+        kv_heads = kb.shape[1]
+        group, width = heads // kv_heads, kv_heads * dim
+        k, v = self._gather_kv(kb, vb, m.kv_slots)
+        k, v = k.view(bs, m.max_len, width), v.view(bs, m.max_len, width)
+        qexp = self._qexp
+        if qexp is None or qexp.shape != (bs, heads, width) or qexp.dtype != q.dtype:
+            qexp = self._qexp = q.new_zeros((bs, heads, width))
+        # only the diagonal blocks are ever written: the rest stays zero
+        qexp.view(bs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3).copy_(
+            q.view(bs, kv_heads, group, dim).permute(0, 2, 3, 1))
+        scores = torch.bmm(qexp, k.transpose(1, 2))  # [B, H, L]
+        scores.mul_(layer.scaling)
+        if m.mask is not None:
+            scores.masked_fill_(m.mask.view(bs, 1, m.max_len).logical_not(), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, v).view(bs, kv_heads, group, kv_heads, dim)
+        return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(bs, heads, dim)
+
     def _attend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         """q [B, Q, H, D] → [B, Q, H, D]."""
         return self._attend_hq(q.transpose(1, 2), layer, fb).transpose(1, 2)
@@ -131,8 +183,12 @@ class TorchNativeBackend(AttentionBackend):
         pool, m = fb.token_to_kv_pool, self.meta
         kb, vb = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         shape = (m.batch, m.max_len, *kb.shape[1:])  # [B, L, kv heads, head_dim]
-        k = kb.index_select(0, m.kv_slots).view(shape)
-        v = vb.index_select(0, m.kv_slots).view(shape)
+        if kb.device.type == "cpu":
+            k, v = self._gather_kv(kb, vb, m.kv_slots)
+            k, v = k.view(shape), v.view(shape)
+        else:
+            k = kb.index_select(0, m.kv_slots).view(shape)
+            v = vb.index_select(0, m.kv_slots).view(shape)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(
