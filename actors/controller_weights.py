@@ -279,20 +279,8 @@ class ControllerWeightsMixin:
     def _update_single_rank(self, kind: str, payload, version: int, allow_partial: bool,
                             pause_mode: Optional[str], targets: list) -> list:
         """Replicas of one rank: one call each does pause → load → commit → resume."""
-        refs = [(r, r.leader.update_weights.remote(kind, payload, allow_partial, pause_mode, version))
-                for r in targets]
-        errors, done = [], []
-        for replica, ref in refs:
-            try:
-                ray.get(ref)
-                done.append(replica)
-            except RayActorError as e:
-                self._replica_failed(replica.index, f"{type(e).__name__} during a weight update")
-            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
-                errors.append(_unwrap(e))
-        if errors:
-            raise errors[0]
-        return done
+        return self._call_leaders(targets, "update_weights", kind, payload, allow_partial, pause_mode,
+                                  version, wrap_error=_unwrap)
 
     def _apply_everywhere(self, kind: str, payload, allow_partial: bool, replicas: list
                           ) -> tuple[list[BaseException], list]:

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
 from ray.exceptions import RayActorError
@@ -187,17 +187,25 @@ class RecoveryMixin:
         with self._lock:
             return [r for r, s in zip(self.replicas, self._state) if s in states]
 
-    def _call_leaders(self, replicas: list[Replica], method: str, *args: Any) -> list[Replica]:
+    def _call_leaders(self, replicas: list[Replica], method: str, *args: Any,
+                      wrap_error: Optional[Callable[[BaseException], BaseException]] = None) -> list[Replica]:
         """`method` on each leader; a replica whose actor died goes to recovery and is left out
-        of the returned list. Other errors are raised."""
+        of the returned list. Other errors are raised: at once, or with `wrap_error` once every
+        leader has answered (the first one, wrapped)."""
         refs = [(r, getattr(r.leader, method).remote(*args)) for r in replicas]
-        ok = []
+        ok, errors = [], []
         for replica, ref in refs:
             try:
                 ray.get(ref)
                 ok.append(replica)
             except RayActorError as e:
                 self._replica_failed(replica.index, f"{type(e).__name__} during {method}")
+            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
+                if wrap_error is None:
+                    raise
+                errors.append(wrap_error(e))
+        if errors:
+            raise errors[0]
         return ok
 
     def _refresh_stale(self, replicas: list[Replica]) -> None:

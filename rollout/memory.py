@@ -33,12 +33,17 @@ class TokenToKVPool:
         shape = (num_slots, kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._fused = None  # on a GPU: one Triton launch stores a step's K and V (triton: GPU-only dep)
+        if torch.device(device).type == "cuda":
+            from rollout.attention.triton_kernels import store_kv
+            self._fused = store_kv
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        if k_buf.is_cuda and _fused_store_ok(k, v, k_buf):
-            from rollout.attention.triton_kernels.store_kv import store_kv
-            store_kv(k, v, loc, k_buf, v_buf)  # one launch instead of two index kernels
+        fused = self._fused
+        if (fused is not None and fused.rows_are_flat(k) and fused.rows_are_flat(v)
+                and k.shape[1:] == k_buf.shape[1:]):
+            fused.store_kv(k, v, loc, k_buf, v_buf)  # one launch instead of two index kernels
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
@@ -52,11 +57,6 @@ class TokenToKVPool:
 
 MEMORY_TAGS = ("kv_cache", "weights")
 StorageRecord = tuple[torch.Tensor, int]  # a tensor whose storage was freed, and its size in bytes
-
-
-def _fused_store_ok(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    from rollout.attention.triton_kernels.store_kv import rows_are_flat
-    return rows_are_flat(k) and rows_are_flat(v) and k_buf.is_contiguous() and k.shape[1:] == k_buf.shape[1:]
 
 
 def check_memory_tags(tags: Sequence[str]) -> list[str]:

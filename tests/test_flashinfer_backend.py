@@ -19,7 +19,7 @@ from rollout.attention import flashinfer_backend as fib
 from rollout.attention.torch_native import TorchNativeBackend
 from rollout.errors import ConfigError
 from rollout.forward_batch import ForwardBatch, ForwardMode
-from tests.helpers import RunnerDriver
+from tests.helpers import RunnerDriver, eager_graph_capture
 
 SEQ_LENS = [1, 40, 17, 33, 5]
 PREFIX_LENS = [0, 25, 0, 32, 3]  # extend: 1, 15, 17, 1, 2 new tokens
@@ -276,16 +276,7 @@ def test_graph_hooks_with_fake_flashinfer(fake_flashinfer, tiny_dirs, monkeypatc
     eagerly on the static buffers; the graph-mode wrappers read the static index buffers."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    @torch.inference_mode()
-    def eager_capture(self):
-        for bs in self.batch_sizes:
-            fb = self._static_batch(bs, [1] * bs)
-            self.backend.init_forward_metadata_capture(fb)
-            self.outputs[bs] = self._forward(fb)
-            self.graphs[bs] = SimpleNamespace(
-                replay=lambda fb=fb, bs=bs: self.outputs[bs].copy_(self._forward(fb)))
-
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_capture)
+    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
     path = tiny_dirs["Qwen3ForCausalLM"]
     cfg = dict(device="cpu", attention_backend="flashinfer", cuda_graph=False)
     graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)

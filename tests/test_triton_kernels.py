@@ -26,7 +26,7 @@ from rollout.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rollout.attention.triton_backend import TritonBackend  # noqa: E402
 from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
 from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from tests.helpers import RunnerDriver, hf_last_logits, hf_model  # noqa: E402
+from tests.helpers import RunnerDriver, eager_graph_capture, hf_last_logits, hf_model  # noqa: E402
 from tests.test_model_parity import PROMPTS  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -222,16 +222,7 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     exactly what a captured graph would read."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    @torch.inference_mode()
-    def eager_capture(self):
-        for bs in self.batch_sizes:
-            fb = self._static_batch(bs, [1] * bs)
-            self.backend.init_forward_metadata_capture(fb)
-            self.outputs[bs] = self._forward(fb)
-            self.graphs[bs] = SimpleNamespace(
-                replay=lambda fb=fb, bs=bs: self.outputs[bs].copy_(self._forward(fb)))
-
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_capture)
+    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
     path = tiny_dirs["Qwen3ForCausalLM"]
     cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
     graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)

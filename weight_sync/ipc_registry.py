@@ -76,10 +76,7 @@ class IpcRegistry:
             return cur
         named = [(n, t.detach()) for n, t in named]
         staged = self._staged(named)
-        key = _key(named, allow_partial, staged)
-        if cur is not None and cur.key == key:
-            cur.before_push(named)
-            return cur
+        key = _key(named, allow_partial, staged)  # differs from cur.key (checked above)
         if cur is not None and not staged and cur.key[0] == key[0] and not cur.staged:
             if self.staging is None and _same_specs(cur.layout.specs, named):
                 self._volatile = staged = True  # same tensors at new addresses, every push
