@@ -41,6 +41,32 @@ def replay_ms(engine: Engine, bs: int, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
+def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, float]:
+    """GPU: (wall ms per step, ms per step the host spent outside the wait for sampled tokens).
+    When the second is close to the first, the host sets the pace, not the GPU."""
+    import rollout.launched_step as ls
+    waited, wait = [0.0], ls.LaunchedStep.wait
+
+    def timed(self):
+        t0 = time.perf_counter()
+        try:
+            return wait(self)
+        finally:
+            waited[0] += time.perf_counter() - t0
+    ls.LaunchedStep.wait = timed
+    try:
+        steps0 = engine.stats.steps
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        ls.LaunchedStep.wait = wait
+    steps = engine.stats.steps - steps0
+    return wall / steps * 1e3, (wall - waited[0]) / steps * 1e3
+
+
 def cpu_sections(engine: Engine, prompts, sp: SamplingParams, repeats: int = 5) -> list[str]:
     """Per-step microseconds of each part of the step, from wrappers around them (CPU only:
     the wrappers time host work, which on CPU is all the work)."""
@@ -117,6 +143,9 @@ def main() -> None:
                 f"({wall / args.new_tokens * 1e3:.2f} ms/step)")
         if cuda:
             lines.append(f"{head}; graph replay alone {replay_ms(engine, bs):.3f} ms")
+            wall_ms, busy_ms = host_busy_ms(engine, prompts, sp)
+            lines.append(f"  per step: wall {wall_ms:.3f} ms, host busy (not waiting for tokens) "
+                         f"{busy_ms:.3f} ms")
         else:
             lines.append(head)
             lines += cpu_sections(engine, prompts, sp)

@@ -47,6 +47,7 @@ class ModelRunner:
         with _default_dtype(self.dtype), self.device:
             self.model = cls(self.model_config, self.tp)
         self.model.eval()
+        self.model.packed_weights.enabled = self.device.type == "cpu" and self.config.cpu_packed_weights
         if self.config.load_format == "dummy":
             self.init_dummy_weights()
         else:
@@ -62,6 +63,7 @@ class ModelRunner:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=self.device) * 0.02)
+        self.weights_changed()
 
     def load_checkpoint(self, model_path: str) -> None:
         files = loader.checkpoint_files(model_path)
@@ -145,6 +147,11 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         return n
 
+    def weights_changed(self) -> None:
+        """Every path that writes weights calls this (the updater's write phases too): packed
+        CPU copies of the old values are dropped and made again on first use."""
+        self.model.packed_weights.clear()
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this shard's parameters (our names, this rank's slices): what a fresh
         shard of the same rank and TP layout copies in with `import_weights` to catch up."""
@@ -162,8 +169,11 @@ class ModelRunner:
             if t.shape != params[name].shape:
                 raise WeightUpdateError(f"exported {name!r} has shape {tuple(t.shape)}, this shard "
                                         f"holds {tuple(params[name].shape)} (another TP layout?)")
-        for name, t in weights.items():
-            params[name].copy_(t)
+        try:
+            for name, t in weights.items():
+                params[name].copy_(t)
+        finally:
+            self.weights_changed()
         return len(weights)
 
     # ---- memory release / resume (colocated training) ----------------------------------------
@@ -178,6 +188,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         if self.graph_runner is not None:
             self.graph_runner.release()
+        self.weights_changed()
         for tag in todo:
             self.released[tag] = free_storages(self._tensors_of(tag))
         if self.device.type == "cuda":
@@ -192,6 +203,7 @@ class ModelRunner:
             return
         for tag in todo:
             restore_storages(self.released.pop(tag))
+        self.weights_changed()
         # Zeroed before any capture: the capture's warm-up forward reads req_to_token (garbage
         # slot ids there are out-of-bounds reads) and padded rows read the dummy slot 0.
         if "kv_cache" in todo:

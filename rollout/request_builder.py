@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from rollout.errors import InvalidRequestError, KVCacheBudgetError
 from rollout.request import Request
-from rollout.sampler import mix_seed
+from rollout.random_stream import mix_seed
 from rollout.sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]

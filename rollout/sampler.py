@@ -2,8 +2,9 @@
 renormalised survivors of the previous, as HF applies them), and the log-probability of each
 sampled token under softmax(logits / T) over the full vocabulary.
 
-Randomness is counter-based: one uniform per row from a hash of (seed, position), turned into a
-token by inverse-CDF over the filtered distribution. A row's draw thus never depends on which
+Randomness is counter-based: one uniform per row from a hash of (seed, position), computed on
+the host with the batch (`SamplingBatchInfo.uniforms`), turned into a token by inverse-CDF over
+the filtered distribution. A row's draw thus never depends on which
 other requests share the batch, and needs no generator state."""
 from __future__ import annotations
 
@@ -15,47 +16,6 @@ from typing import Optional
 import torch
 
 from rollout.sampling_info import SamplingBatchInfo
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= (1 << 63) else c
-
-
-_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x + _GOLDEN  # the only new tensor: the rest is in place (the same integer ops)
-    x ^= _shr(x, 30)
-    x *= _M1
-    x ^= _shr(x, 27)
-    x *= _M2
-    return x.bitwise_xor_(_shr(x, 31))
-
-
-def uniform_from(seeds: torch.Tensor, positions: torch.Tensor,
-                 seed_hash: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A uniform float64 in [0, 1) per row, a pure function of (seed, position).
-    `seed_hash` is splitmix64(seeds) when the caller has it already."""
-    if seed_hash is None:
-        seed_hash = splitmix64(seeds)
-    bits = splitmix64(seed_hash ^ positions)
-    return _shr(bits, 11).double().mul_(2.0 ** -53)
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """Seed of the index-th sample of a prompt whose request carries `seed` (pure Python)."""
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 1) & _MASK64
-    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _MASK64
-    return _signed((x ^ (x >> 29)) & _MASK64)
-
 
 @dataclass
 class SampleOutput:
@@ -88,18 +48,28 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
 
     Work that cannot change the result is skipped from the batch's host-side flags: the
     division when every temperature is 1, the argmax when no row is greedy, the filter when no
-    row filters (`keep_mask`). Tokens and logprobs are bit for bit those of the full path."""
+    row filters (`keep_mask`): tokens and logprobs are bit for bit those of the full path. The
+    full-vocabulary log-softmax is computed only for top-logprobs; otherwise the token's logprob
+    is the log of its softmax probability (one pass over the vocabulary, not two)."""
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    if info.max_top_logprobs > 0:
+        logprobs_all = torch.log_softmax(scaled, dim=-1)
+        probs = logprobs_all.exp()
+    else:  # one pass over the vocabulary instead of two (log_softmax, then exp)
+        logprobs_all, probs = None, torch.softmax(scaled, dim=-1)
     if info.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif info.any_greedy:
-        tokens = torch.where(info.greedy, logits.argmax(dim=-1), _draw(logprobs_all.exp(), info))
+        tokens = torch.where(info.greedy, logits.argmax(dim=-1), _draw(probs, info))
     else:
-        tokens = _draw(logprobs_all.exp(), info)
-    out = SampleOutput(tokens, logprobs_all.gather(1, tokens.view(-1, 1)).squeeze(1))
-    if info.max_top_logprobs > 0:
-        out.top_logprob_values, out.top_logprob_ids = logprobs_all.topk(info.max_top_logprobs, dim=-1)
+        tokens = _draw(probs, info)
+    rows = tokens.view(-1, 1)
+    if logprobs_all is None:
+        # log of the token's probability: within a few fp32 ulps of log_softmax (a sampled or
+        # greedy token's probability is far above fp32's denormal range)
+        return SampleOutput(tokens, probs.gather(1, rows).log_().squeeze(1))
+    out = SampleOutput(tokens, logprobs_all.gather(1, rows).squeeze(1))
+    out.top_logprob_values, out.top_logprob_ids = logprobs_all.topk(info.max_top_logprobs, dim=-1)
     return out
 
 
@@ -157,7 +127,7 @@ def _draw(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     mask = keep_mask(probs, info)
     if mask is not None:
         probs = probs * mask
-    u = uniform_from(info.seeds, info.positions, info.seed_hash())
+    u = info.uniforms
     choice = (inverse_cdf_blocked if probs.is_cuda else inverse_cdf)(probs, u)
     # u * total can round up to total (u within 2^-53 of 1): fall back to the likeliest survivor
     landed = probs.gather(1, choice) > 0

@@ -168,15 +168,14 @@ class Scheduler:
 
     def _sampling_info(self, mode: ForwardMode, reqs: Sequence[Request], fb: ForwardBatch) -> SamplingBatchInfo:
         """The position of the token each row samples is its `seq_lens` entry (tokens in the KV
-        cache after this step), so the batch's own `seq_lens` tensor serves as the sampling
-        positions. Consecutive decodes of the same requests reuse every other tensor."""
+        cache after this step). Consecutive decodes of the same requests reuse every tensor but
+        the uniforms."""
         key = tuple([r.rid for r in reqs]) if mode.is_decode else None
         if key is not None and key == self._info_key:
-            self._info.positions = fb.seq_lens
+            self._info.set_positions(fb.seq_lens_cpu)
             return self._info
         self._info = SamplingBatchInfo.build([r.params for r in reqs], [r.seed for r in reqs],
                                              fb.seq_lens_cpu, self.limits.vocab_size, self.device)
-        self._info.positions = fb.seq_lens
         self._info_key = key
         return self._info
 

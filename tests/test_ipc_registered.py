@@ -238,6 +238,9 @@ class _Target:
     def load_weights(self, weights):
         return self.model.load_weights(weights)
 
+    def weights_changed(self):
+        self.model.packed_weights.clear()
+
 
 def _shard(path, rank: int, size: int):
     cfg = ModelConfig.from_pretrained(path)

@@ -1,10 +1,12 @@
 """Spec for the sampler: empirical frequencies match the top-k → top-p → min-p filtered
 distribution (chi-square), draws depend only on (seed, position)."""
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.sampler import sample, uniform_from
+from rollout.random_stream import uniform_from
+from rollout.sampler import sample
 from rollout.sampling_info import SamplingBatchInfo
 from rollout.sampling_params import SamplingParams
 
@@ -53,13 +55,25 @@ def test_frequencies_match_filtered_distribution(sp):
 
 
 def test_uniforms_are_uniform_and_pure():
-    seeds, pos = torch.arange(50_000), torch.full((50_000,), 3)
+    seeds, pos = np.arange(-25_000, 25_000), np.full(50_000, 3)
     u = uniform_from(seeds, pos)
     assert 0.0 <= u.min() and u.max() < 1.0
-    counts = torch.histc(u.float(), bins=20, min=0, max=1).numpy()
+    counts, _ = np.histogram(u, bins=20, range=(0, 1))
     assert chisquare(counts).pvalue > 1e-3
-    assert torch.equal(uniform_from(seeds[7:9], pos[7:9]), u[7:9])
-    assert not torch.equal(uniform_from(seeds, pos + 1), u)
+    assert np.array_equal(uniform_from(seeds[7:9], pos[7:9]), u[7:9])
+    assert not np.array_equal(uniform_from(seeds, pos + 1), u)
+
+
+def test_uniforms_are_splitmix64():
+    """The stream is splitmix64 (reference: its published finaliser, Python ints mod 2^64)."""
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return x ^ (x >> 31)
+    for seed, pos in [(0, 0), (1, 17), (-5, 2**40), (2**63 - 1, 7)]:
+        want = (mix(mix(seed % 2**64) ^ pos) >> 11) * 2.0 ** -53
+        assert uniform_from([seed], [pos])[0] == want
 
 
 def test_greedy_rows_take_argmax_and_report_t1_logprob():

@@ -36,6 +36,10 @@ class WeightTarget(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> int: ...
 
+    def weights_changed(self) -> None:
+        """Drop anything derived from the weights' values (packed copies): a write phase begins
+        or ends. Registered-IPC copy plans write parameter storage without `load_weights`."""
+
 
 class WeightUpdater:
     def __init__(self, target: WeightTarget, check_finite: bool = False):
@@ -181,10 +185,12 @@ class WeightUpdater:
         return self._done(count, allow_partial)
 
     def _begin(self, allow_partial: bool) -> None:
+        self.target.weights_changed()
         self._was_incomplete = self.incomplete_reason
         self.incomplete_reason = "a weight update is in progress"
 
     def _done(self, count: int, allow_partial: bool) -> int:
+        self.target.weights_changed()
         # A partial update on top of an incomplete shard leaves it incomplete.
         self.incomplete_reason = self._was_incomplete if allow_partial else None
         return count
@@ -195,6 +201,7 @@ class WeightUpdater:
         self._fail(reason, log)
 
     def _fail(self, reason: str, log: bool = True) -> None:
+        self.target.weights_changed()
         self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
                                   "complete update lands")
         if log:

@@ -1,7 +1,7 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +9,7 @@ from torch import nn
 
 from rollout.config import ceil_div
 from rollout.distributed import SINGLE, TPGroup
-from rollout.layers.linear import cpu_linear
+from rollout.layers.linear import linear
 from rollout.layers.weight_attrs import copy_into, make_param
 
 
@@ -41,6 +41,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → full-vocabulary logits (each rank's slice, gathered)."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(cpu_linear(hidden, self.weight))
+    def compute_logits(self, hidden: torch.Tensor, packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`packed`: the weight's `pack_cpu_weight` copy (CPU GEMMs of many rows), or None."""
+        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight, None, packed))
         return logits[..., : self.vocab_size]

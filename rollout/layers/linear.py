@@ -2,9 +2,10 @@
 
 On CPU, fp32 GEMMs above a small size go through oneDNN (`cpu_linear`) instead of torch's
 default BLAS (MKL): on the AMD development machine MKL's sgemm runs at about half of oneDNN's
-speed from 4 rows up (and its GEMV is slower for the large matrices too). The weight stays the
-plain Parameter (no packed copy to keep in sync with in-place weight updates or memory
-release); oneDNN reorders it on the fly, which costs far less than the GEMM it speeds up."""
+speed from 4 rows up (and its GEMV is slower for the large matrices too). By default oneDNN
+reorders the plain Parameter into its blocked layout on every call, which costs far less than
+the GEMM it speeds up at decode sizes; for GEMMs of many rows the model passes a copy packed once
+(`pack_cpu_weight`, cached by `packed_weights.PackedWeights`, which every weight write empties)."""
 from __future__ import annotations
 
 import os
@@ -34,13 +35,63 @@ _ONEDNN_LINEAR = _onednn_linear_op()
 # qkv/o/down GEMVs (98k, 65k, 262k multiply-adds) on oneDNN too, a batch-1 generate ran 6.5%
 # faster than with them on MKL (same process, interleaved, medians of 6; 3% at batch 4).
 ONEDNN_MIN_WORK = 1 << 15
+# Rows from which a pre-packed weight (`pack_cpu_weight`) is used: below, oneDNN's GEMV on the
+# plain weight is as fast, and the reorder it saves is negligible.
+PACKED_MIN_ROWS = 16
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack_cpu_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """oneDNN's blocked copy of a CPU fp32 weight [out, in], for `cpu_linear(..., packed=)`; None
+    where `cpu_linear` would not use oneDNN. The same GEMM results bit for bit as the plain
+    weight (oneDNN reorders it the same way on every call otherwise)."""
+    if (_ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or weight.dim() != 2 or weight.numel() == 0):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (AttributeError, RuntimeError):  # a torch build without it
+        return None
+
+
+# CUDA: single-row GEMMs (decode at batch 1) in 16-bit dtypes go to the Triton skinny-GEMM
+# kernels (`triton_gemv`): they are bound by reading the weight, and cuBLAS's GEMVs for these
+# shapes leave a quarter to half of the bandwidth unused. Measured in the engine on an H200
+# (docs/BENCHMARKS.md): batch 1 +9-13%; at 4 rows the kernels lost 7% although faster alone,
+# at 16 they tied, so more rows stay on cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
+SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
+SKINNY_MAX_ROWS = 1
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
+    return triton_gemv.supports(x, weight, gated)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear on either device: CPU through `cpu_linear`, CUDA through the skinny-GEMM kernels
+    where `use_skinny` says so, else cuBLAS."""
+    if not x.is_cuda:
+        return cpu_linear(x, weight, bias, packed)
+    if use_skinny(x, weight):
+        from rollout.layers import triton_gemv
+        return triton_gemv.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear, through oneDNN for fp32 CPU GEMMs of at least ONEDNN_MIN_WORK multiply-adds when
     no autograd is needed (the engine runs under inference_mode). Results are IEEE fp32 like
-    MKL's, summed in another order (ulp-level differences, as between two BLAS libraries)."""
+    MKL's, summed in another order (ulp-level differences, as between two BLAS libraries).
+    `packed`: `pack_cpu_weight(weight)`, used from PACKED_MIN_ROWS rows of a 2-D x."""
     global _ONEDNN_LINEAR
+    if (packed is not None and _ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
+            and x.dtype == torch.float32 and not torch.is_grad_enabled()):
+        return _ONEDNN_LINEAR(x, packed, bias, "none", [], "")
     if (_ONEDNN_LINEAR is None or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or torch.is_grad_enabled()
             or x.numel() * weight.shape[0] < ONEDNN_MIN_WORK):
@@ -81,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(dst, full.narrow(0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,7 +177,7 @@ class RowParallelLinear(nn.Module):
                 and RowParallelLinear.fp32_partials_supported):
             out = self._reduce_in_fp32(x)
         else:
-            out = self.tp.all_reduce(cpu_linear(x, self.weight))
+            out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def _reduce_in_fp32(self, x: torch.Tensor) -> torch.Tensor:

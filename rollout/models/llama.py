@@ -12,8 +12,9 @@ from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   cpu_linear)
+                                   cpu_linear, use_skinny)
 from rollout.layers.norm import RMSNorm, rms_norm_ref
+from rollout.layers.packed_weights import PackedWeights
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
 from rollout.models.weight_table import WeightTable
 
@@ -61,17 +62,23 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if x.is_cuda:
+            w = self.gate_up_proj.weight
+            if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # gate/up/SiLU: one kernel
+                from rollout.layers import triton_gemv
+                return self.down_proj(triton_gemv.skinny_gate_up_silu(x, w, self.inter))
             from rollout.layers import triton_ops
-            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+            return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, qk_norm: bool,
+                 packed: PackedWeights):
         super().__init__()
+        self.packed = packed  # the model's cache of packed CPU weights (not a submodule)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, layer_id, tp, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -104,19 +111,21 @@ class DecoderLayer(nn.Module):
         else:
             residual = h + residual
             x = rms_norm_ref(residual, in_w, eps)
-        n = x.shape[0]
-        qk, v = cpu_linear(x, qkv_w, qkv_b).split([qk_size, kv_size], dim=-1)
+        n, packed = x.shape[0], self.packed
+        qk, v = cpu_linear(x, qkv_w, qkv_b, packed(qkv_w)).split([qk_size, kv_size], dim=-1)
         qk = qk.view(n, heads + kv_heads, head_dim)
         if q_norm is not None:
             qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
         apply_rotary_full_(qk, *rope)
         q, k = qk.split([heads, kv_heads], dim=1)
         out = fb.attn_backend.forward(q, k, v.view(n, kv_heads, head_dim), attn, fb)
-        h = _row_linear(out.reshape(n, heads * head_dim), o_w, tp, self.self_attn.o_proj.bias)
+        h = _row_linear(out.reshape(n, heads * head_dim), o_w, packed(o_w), tp,
+                        self.self_attn.o_proj.bias)
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
-        gate, up = cpu_linear(x, gu_w).split(inter, dim=-1)
-        return _row_linear(nn.functional.silu(gate).mul_(up), down_w, tp, self.mlp.down_proj.bias), residual
+        gate, up = cpu_linear(x, gu_w, None, packed(gu_w)).split(inter, dim=-1)
+        return _row_linear(nn.functional.silu(gate).mul_(up), down_w, packed(down_w), tp,
+                           self.mlp.down_proj.bias), residual
 
     def _cpu_refs(self) -> tuple:
         """The tensors and sizes `forward_cpu` reads, looked up once. Parameters are updated in
@@ -134,21 +143,21 @@ class DecoderLayer(nn.Module):
         return refs
 
 
-def _row_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup,
+def _row_linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor], tp: TPGroup,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """RowParallelLinear.forward on CPU."""
-    out = tp.all_reduce(cpu_linear(x, weight))
+    out = tp.all_reduce(cpu_linear(x, weight, None, packed))
     return out if bias is None else out + bias
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, qk_norm: bool, packed: PackedWeights):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, qk_norm) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, tp, qk_norm, packed) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -176,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, tp, self.qk_norm)
+        # oneDNN-packed CPU weights: enabled by the ModelRunner (EngineConfig.cpu_packed_weights),
+        # emptied by `load_weights` here and by every other path that writes weights
+        self.packed_weights = PackedWeights()
+        self.model = DecoderModel(cfg, tp, self.qk_norm, self.packed_weights)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -189,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         rows = fb.logits_indices()
         if rows is not None:
             hidden = hidden[rows]
-        return self.lm_head.compute_logits(hidden).float()
+        return self.lm_head.compute_logits(hidden, self.packed_weights(self.lm_head.weight)).float()
 
     @property
     def weight_table(self) -> WeightTable:
@@ -201,7 +213,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights) -> int:
         """The one loading path (checkpoints and weight sync): HF-named full tensors are
         validated against the parameter table, then copied in place into this rank's shards."""
-        return self.weight_table.load(weights)
+        try:
+            return self.weight_table.load(weights)
+        finally:
+            self.packed_weights.clear()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

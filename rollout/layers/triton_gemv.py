@@ -1,0 +1,351 @@
+"""Triton kernels for the decode-time skinny GEMMs: y = x @ W.T with few rows (1 <= M <= MAX_M).
+
+Why: a small-batch decode step is bound by memory bandwidth, not math — every projection reads
+its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels for such
+shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
+coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
+The caller keeps cuBLAS for M > MAX_M (and everywhere off CUDA); like triton_ops this module is
+imported lazily on first GPU use, so a CPU test can turn on TRITON_INTERPRET=1 first.
+
+Two main kernels, picked by the launch config (`Config.dot`):
+  * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
+    accumulator of elementwise products over the K loop, reduced along K once at the end.
+  * dot (`_gemv_dot_kernel`, M up to 16): x padded to 16 rows, tensor-core tl.dot per K chunk.
+Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
+and a second kernel sums them in a fixed order: deterministic, no atomics.
+`skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads
+matching gate and up row blocks and writes silu(gate) * up: the [M, 2·I] intermediate is never
+written.
+
+The launch config comes from `_config(M, N, K, gated)`: the table `_TUNED` (pasted from
+benchmarks/gpu_gemv.py's sweep), else a small deterministic heuristic. No autotuning, host syncs
+or data-dependent sizes: every call can be captured in a CUDA graph.
+
+Rounding: products and sums in fp32 (tensor-core dot: bf16/fp16 products exact in fp32; fp32
+inputs use IEEE, not TF32), summed in another order than cuBLAS (so not bitwise equal to
+F.linear; relative error ~1e-3 in bf16, i.e. rounding of the output). The bias is added in fp32
+and the output rounded once to x's dtype. The gated variant rounds as the unfused path does:
+gate and up each rounded to the dtype (as a GEMM output), then `silu(gate).to(dtype) * up` as
+in triton_ops.silu_and_mul (libdevice expf, IEEE division, no FMA contraction).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from rollout.layers.triton_ops import _is_compiled, _round
+
+MAX_M = 16  # above this the caller uses cuBLAS
+DOT_M = 16  # rows x is padded to in the dot kernel (tl.dot needs >= 16)
+MAX_SPLIT_K = 16
+NUM_SMS_H200 = 132
+
+
+class Config(NamedTuple):
+    block_n: int  # weight rows per program (per half, for the gated variant)
+    block_k: int  # K chunk per loop iteration
+    split_k: int = 1  # programs along K (> 1: fp32 partials + a reduce kernel)
+    num_warps: int = 4
+    dot: bool = False  # tensor-core kernel (M padded to 16) instead of the FMA one
+    num_stages: int = 3
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul(gate, up, dt: tl.constexpr, COMPILED: tl.constexpr):
+    """silu(gate).to(dt) * up, rounded, for fp32 gate/up already rounded to dt (as silu_and_mul)."""
+    if COMPILED:
+        e = libdevice.exp(-gate)  # expf, as torch's CUDA silu
+    else:
+        e = tl.exp(-gate)
+    silu = _round(tl.math.div_rn(gate, 1.0 + e), dt, COMPILED)
+    return _round(silu * up, dt, COMPILED)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
+              HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+              COMPILED: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 sums -> the rounded output, or fp32 partials when split along K."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT > 1:  # partials [SPLIT, M, N] (gated: [SPLIT, M, 2N], up at N + n)
+        width = 2 * N if GATED else N
+        p = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
+        tl.store(p, acc, mask=mask)
+        if GATED:
+            tl.store(p + N, acc_up, mask=mask)
+    else:
+        dt = Y.dtype.element_ty
+        if GATED:
+            out = _silu_mul(_round(acc, dt, COMPILED), _round(acc_up, dt, COMPILED), dt, COMPILED)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            out = _round(acc, dt, COMPILED)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
+def _gemv_fma_kernel(
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    # tail rows are clamped, not masked: they re-read a real row, and are never stored
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
+    w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
+    wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k).to(tl.float32)
+            w = tl.load(w_ptr + k).to(tl.float32)
+            if GATED:
+                w_up = tl.load(wu_ptr + k).to(tl.float32)
+        else:
+            k_ok = (offs_k + k < K)[None, None, :]
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if GATED:
+                w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += x * w
+        if GATED:
+            acc_up += x * w_up
+    _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), Bias, Y, P, offs_m, offs_n, M, N,
+              stride_ym, pid_k, HAS_BIAS, GATED, SPLIT, COMPILED)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_dot_kernel(
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptr = X + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    w_ptr = W + rows_n[:, None] * K + offs_k[None, :]  # [BN, BK]
+    wu_ptr = W_UP + rows_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+            w = tl.load(w_ptr + k)
+            if GATED:
+                w_up = tl.load(wu_ptr + k)
+        else:
+            k_ok = (offs_k + k < K)[None, :]
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptr + k, mask=k_ok, other=0.0)
+            if GATED:
+                w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
+    _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
+              HAS_BIAS, GATED, SPLIT, COMPILED)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce_kernel(
+    P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+):
+    """Sums the [SPLIT, M, N(·2)] fp32 partials in split order (deterministic); the epilogue."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    width = 2 * N if GATED else N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        p = P + (s * M + m) * width + offs
+        acc += tl.load(p, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(p + N, mask=mask, other=0.0)
+    dt = Y.dtype.element_ty
+    if GATED:
+        out = _silu_mul(_round(acc, dt, COMPILED), _round(acc_up, dt, COMPILED), dt, COMPILED)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
+        out = _round(acc, dt, COMPILED)
+    tl.store(Y + m * stride_ym + offs, out, mask=mask)
+
+
+_COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
+
+
+# ---- launch config ----------------------------------------------------------------------------
+# (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's
+# rows, 2·I for the gated variant). M is looked up rounded up to a power of two.
+# None: cuBLAS (+ the separate SiLU kernel, when gated) measured faster, so `supports` says no.
+# Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
+# shapes at one row, the only size the engine sends here (see linear.SKINNY_MAX_ROWS); other
+# shapes and sizes take the heuristic. µs per call in a CUDA graph, weights from HBM.
+_TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
+    (1, 2048, 1536, False): Config(4, 512, 1, 4, False, 3),  # qkv: 4.0 µs, cuBLAS 5.2
+    (1, 1536, 1536, False): Config(2, 512, 1, 4, False, 3),  # o: 3.6 µs, cuBLAS 6.5
+    (1, 17920, 1536, True): Config(2, 256, 1, 2, False, 3),  # gate_up+SiLU: 15.5, cuBLAS+SiLU 18.9
+    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3),  # down: 9.3 µs, cuBLAS 11.4
+    (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
+}
+
+
+def load_tuned(path: str) -> int:
+    """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
+    list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
+    import from ROLLOUT_SKINNY_CONFIGS when set: another GPU's measured table, without a code
+    change."""
+    with open(path) as f:
+        entries = json.load(f)
+    for e in entries:
+        cfg = e["config"]
+        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
+            Config(**cfg) if cfg is not None else None)
+    return len(entries)
+
+
+if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
+    load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
+
+
+def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
+    """The launch config for an [M, K] x [N, K]^T GEMM (N: all weight rows, 2·I when gated)."""
+    tuned = _TUNED.get((triton.next_power_of_2(M), N, K, gated))
+    if tuned is not None:
+        return tuned
+    rows = N // 2 if gated else N  # output columns; a gated program loads 2·block_n rows
+    halves = 2 if gated else 1
+    if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs
+        block_k = _pow2_divisor(K, 512)
+        block_n = max(4, 4096 // block_k // halves)
+        while block_n > 4 and triton.cdiv(rows, block_n) < 4 * NUM_SMS_H200:
+            block_n //= 2
+        dot = False
+    else:  # tensor cores, x padded to 16 rows; cp.async pipelines 3 stages of [block_n, block_k]
+        block_k = _pow2_divisor(K, 256 if M <= 8 else 128)
+        block_n = 64
+        while block_n > 16 and triton.cdiv(rows, block_n) < 2 * NUM_SMS_H200:
+            block_n //= 2
+        dot = True
+    # split K (evenly, >= 4 iterations a split) while the N blocks alone leave SMs idle
+    programs, chunks, split_k = triton.cdiv(rows, block_n), triton.cdiv(K, block_k), 1
+    for s in range(2, MAX_SPLIT_K + 1):
+        if programs * split_k >= 2 * NUM_SMS_H200:
+            break
+        if chunks % s == 0 and chunks // s >= 4:
+            split_k = s
+    return Config(block_n, block_k, split_k, 4, dot)
+
+
+def _pow2_divisor(K: int, cap: int) -> int:
+    """The largest power of two <= cap dividing K if >= 64 (no K masks), else min(cap, K's)."""
+    b = cap
+    while b >= 64:
+        if K % b == 0:
+            return b
+        b //= 2
+    return min(cap, max(16, triton.next_power_of_2(K)))
+
+
+# ---- entry points ------------------------------------------------------------------------------
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """True when skinny_linear(x, weight) (skinny_gate_up_silu when `gated`) can run these
+    tensors and the tuned table does not say cuBLAS is faster for this shape."""
+    ok = (x.is_cuda and weight.is_cuda and x.device == weight.device
+          and x.dtype == weight.dtype
+          and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+          and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+          and x.shape[1] == weight.shape[1] and x.shape[1] >= 1 and weight.shape[0] >= 1
+          and x.stride(1) == 1 and weight.is_contiguous())
+    key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
+    return ok and (key not in _TUNED or _TUNED[key] is not None)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+            or x.dtype != weight.dtype or x.device != weight.device):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} must be [M, K] and [N, K] of one dtype and device")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"{x.shape[0]} rows: skinny GEMMs take 1 to MAX_M={MAX_M}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x must be contiguous in its last dim and the weight contiguous")
+
+
+def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
+    cfg = config or _config(M, weight.shape[0], K, gated)
+    split = cfg.split_k
+    k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
+    partials = (torch.empty(split, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
+                if split > 1 else out)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    w_up = weight[N:] if gated else weight  # the up half's rows
+    args = (x, weight, w_up, bias_arg, out, partials, M, N, K, k_split, x.stride(0),
+            out.stride(0))
+    meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
+                EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    grid = (triton.cdiv(N, cfg.block_n), split)
+    if cfg.dot:
+        _gemv_dot_kernel[grid](*args, BLOCK_M=DOT_M, **meta,
+                               PREC="ieee" if x.dtype == torch.float32 else "tf32")
+    else:
+        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), **meta)
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(N))
+        _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
+            partials, bias_arg, out, M, N, out.stride(0), SPLIT=split, BLOCK=block,
+            HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
+            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False)
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  config: Optional[Config] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] (1 <= M <= MAX_M, rows contiguous), weight [N, K]
+    contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
+    `config` overrides the launch config (benchmarks and tests)."""
+    _check(x, weight)
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, False, config)
+
+
+def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: int,
+                        config: Optional[Config] = None) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight_gate_up)) without writing the [M, 2·inter] intermediate:
+    weight [2·inter, K] with gate rows [0, inter) and up rows [inter, 2·inter); returns
+    silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype)."""
+    _check(x, weight_gate_up)
+    if weight_gate_up.shape[0] != 2 * inter or inter < 1:
+        raise ValueError(f"weight {tuple(weight_gate_up.shape)} is not [2·{inter}, K]")
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    return _launch(x, weight_gate_up, None, out, True, config)
+
+
+__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M"]

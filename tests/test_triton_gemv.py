@@ -1,0 +1,179 @@
+"""Spec: rollout/layers/triton_gemv.py's skinny GEMMs equal F.linear (and the unfused
+silu(gate) * up after the fused gate/up projection) for 1..MAX_M rows.
+
+On CPU the kernels run under the Triton interpreter in fp32 on tiny ragged shapes (N not a
+multiple of BLOCK_N, K not a multiple of BLOCK_K), through both kernels (FMA and tensor-core dot),
+with and without split-K: within 1e-5 relative of torch. On a GPU (tests marked `gpu`): bf16 on
+the Qwen2-1.5B decode shapes with the default launch config, relative error (norm of the
+difference over the norm of the reference) <= 1e-2, and inside a CUDA graph."""
+import os
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
+    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from rollout.layers import triton_gemv  # noqa: E402
+from rollout.layers.triton_gemv import Config, skinny_gate_up_silu, skinny_linear  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not isinstance(triton_gemv._gemv_fma_kernel, InterpretedFunction):
+    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
+                allow_module_level=True)
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=DEV, dtype=dtype)
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def ref_gate_up_silu(x, w, inter):
+    gate_up = F.linear(x, w)  # rounded to x's dtype, as the unfused path's GEMM output
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+# ---- CPU (interpreter) and GPU: tiny ragged shapes in fp32, every kernel variant --------------
+CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
+    "fma": Config(8, 32),
+    "fma_split": Config(16, 16, 2),
+    "dot": Config(16, 32, dot=True),
+    "dot_split": Config(16, 16, 3, dot=True),
+}
+SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_skinny_linear_fp32(config, shape):
+    n, k = shape
+    w, b = rand(n, k, seed=n), rand(n, seed=k)
+    for m in (1, 2, 3, 5, 16):
+        x = rand(m, k, seed=m)
+        for bias in (None, b):
+            out = skinny_linear(x, w, bias, config=CONFIGS[config])
+            ref = F.linear(x, w, bias)
+            assert out.shape == ref.shape and out.dtype == ref.dtype
+            assert rel_err(out, ref) <= 1e-5, (m, bias is not None)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_skinny_gate_up_silu_fp32(config, shape):
+    inter, k = shape
+    w = rand(2 * inter, k, seed=inter)
+    for m in (1, 3, 16):
+        x = rand(m, k, seed=m)
+        out = skinny_gate_up_silu(x, w, inter, config=CONFIGS[config])
+        ref = ref_gate_up_silu(x, w, inter)
+        assert out.shape == ref.shape == (m, inter)
+        assert rel_err(out, ref) <= 1e-5, m
+
+
+def test_default_config_and_strided_rows():
+    """The heuristic's config (no override) on a ragged shape; x rows with a stride > K."""
+    w, b = rand(40, 48, seed=1), rand(40, seed=2)
+    for m in (1, 4):
+        x = rand(m, 64, seed=m)[:, 8:56]
+        assert rel_err(skinny_linear(x, w, b), F.linear(x, w, b)) <= 1e-5
+
+
+def test_config_heuristic_is_sane():
+    for m in range(1, triton_gemv.MAX_M + 1):
+        for n, k, gated in [(2048, 1536, False), (1536, 8960, False), (17920, 1536, True),
+                            (151936, 1536, False), (40, 48, False), (24, 20, True)]:
+            c = triton_gemv._config(m, n, k, gated)
+            assert c == triton_gemv._config(m, n, k, gated)  # deterministic
+            assert c.block_n & (c.block_n - 1) == 0 and c.block_k & (c.block_k - 1) == 0
+            assert 1 <= c.split_k <= triton_gemv.MAX_SPLIT_K
+            if c.dot:
+                assert c.block_n >= 16 and c.block_k >= 16
+
+
+def test_bad_inputs_are_refused():
+    w = rand(24, 48)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_linear(rand(triton_gemv.MAX_M + 1, 48), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        skinny_linear(rand(2, 32), w)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(rand(2, 48), w, rand(23))
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear(rand(2, 48), rand(48, 24).t())
+    with pytest.raises(ValueError, match="2·"):
+        skinny_gate_up_silu(rand(2, 48), w, 10)
+    assert not triton_gemv.supports(rand(2, 48).cpu(), w.cpu())  # CUDA only
+
+
+# ---- GPU: bf16 on the Qwen2-1.5B decode shapes, default configs, in a CUDA graph ---------------
+QWEN2_1_5B = {"qkv": (2048, 1536, True), "o": (1536, 1536, False),
+              "down": (1536, 8960, False), "lm_head": (151936, 1536, False)}
+GPU_ROWS = [1, 2, 3, 4, 7, 8, 16]
+
+
+@gpu
+@pytest.mark.parametrize("name", list(QWEN2_1_5B))
+def test_gpu_bf16_qwen2_shapes(name):
+    n, k, has_bias = QWEN2_1_5B[name]
+    w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
+    b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
+    for m in GPU_ROWS:
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        assert triton_gemv.supports(x, w)
+        out = skinny_linear(x, w, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert rel_err(out, F.linear(x, w, b)) <= 1e-2, m
+
+
+@gpu
+def test_gpu_bf16_gate_up_silu():
+    inter, k = 8960, 1536
+    w = rand(2 * inter, k, dtype=torch.bfloat16, seed=3) * k ** -0.5
+    for m in GPU_ROWS:
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        assert rel_err(skinny_gate_up_silu(x, w, inter), ref_gate_up_silu(x, w, inter)) <= 1e-2, m
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes(dtype):
+    w, b = rand(1536, 1536, dtype=dtype, seed=4) * 0.03, rand(1536, dtype=dtype, seed=5)
+    for m in (1, 5, 16):
+        x = rand(m, 1536, dtype=dtype, seed=m)
+        bound = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: IEEE products, not TF32
+        assert rel_err(skinny_linear(x, w, b), F.linear(x, w, b)) <= bound
+
+
+@gpu
+def test_gpu_cuda_graph_replay():
+    w = rand(1536, 8960, dtype=torch.bfloat16, seed=6) * 0.01
+    wg = rand(2 * 8960, 1536, dtype=torch.bfloat16, seed=7) * 0.03
+    for m in (1, 8, 16):
+        x = rand(m, 8960, dtype=torch.bfloat16, seed=m)
+        xg = rand(m, 1536, dtype=torch.bfloat16, seed=m)
+        skinny_linear(x, w), skinny_gate_up_silu(xg, wg, 8960)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, out_g = skinny_linear(x, w), skinny_gate_up_silu(xg, wg, 8960)
+        x.copy_(rand(m, 8960, dtype=torch.bfloat16, seed=100 + m))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, skinny_linear(x, w))  # deterministic (split-K sums in order)
+        assert torch.equal(out_g, skinny_gate_up_silu(xg, wg, 8960))
