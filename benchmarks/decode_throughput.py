@@ -44,22 +44,23 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
     return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=g).tolist()
 
 
-def bench_engine(engine: Engine, batch: int, args) -> dict:
+def engine_runner(engine: Engine, batch: int, args):
+    """A function that runs one timed generate call of the engine; returns (tokens, seconds)."""
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
     prompts = prompts_for(batch, args.prompt_len, engine.model_config.vocab_size)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    times = []
-    for _ in range(args.repeats):
+
+    def call() -> tuple[int, float]:
         _sync(args.device)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, sp)
         _sync(args.device)
-        times.append(time.perf_counter() - t0)
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"tokens": tokens, "seconds": statistics.median(times), "tok_per_s": tokens / statistics.median(times)}
+        return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+    return call
 
 
-def bench_hf(model, batch: int, args) -> dict:
+def hf_runner(model, batch: int, args):
+    """The same for HF `generate` (sampling at T=1, no top-k/top-p, no early stop)."""
     prompts = torch.tensor(prompts_for(batch, args.prompt_len, model.config.vocab_size),
                            device=args.device)
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
@@ -68,15 +69,36 @@ def bench_hf(model, batch: int, args) -> dict:
         kw["cache_implementation"] = "static"
     with torch.no_grad():
         model.generate(prompts[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        times = []
-        for _ in range(args.repeats):
-            _sync(args.device)
-            t0 = time.perf_counter()
-            out = model.generate(prompts, **kw)
-            _sync(args.device)
-            times.append(time.perf_counter() - t0)
-    tokens = (out.shape[1] - args.prompt_len) * batch
-    return {"tokens": tokens, "seconds": statistics.median(times), "tok_per_s": tokens / statistics.median(times)}
+
+    @torch.no_grad()
+    def call() -> tuple[int, float]:
+        _sync(args.device)
+        t0 = time.perf_counter()
+        out = model.generate(prompts, **kw)
+        _sync(args.device)
+        return (out.shape[1] - args.prompt_len) * batch, time.perf_counter() - t0
+    return call
+
+
+def timed(call, repeats: int) -> dict:
+    runs = [call() for _ in range(repeats)]
+    return _summary(runs)
+
+
+def _summary(runs: list[tuple[int, float]]) -> dict:
+    seconds = statistics.median(t for _, t in runs)
+    return {"tokens": runs[0][0], "seconds": seconds, "tok_per_s": runs[0][0] / seconds,
+            "all_seconds": [t for _, t in runs]}
+
+
+def compare(engine_call, hf_call, repeats: int) -> dict:
+    """Engine and HF calls alternated (E, H, E, H, ...), so a slow spell of a shared machine hits
+    both; the speedup is the median of the per-pair ratios."""
+    pairs = [(engine_call(), hf_call()) for _ in range(repeats)]
+    e, h = [p[0] for p in pairs], [p[1] for p in pairs]
+    ratios = [(te[0] / te[1]) / (th[0] / th[1]) for te, th in pairs]
+    return {"engine": _summary(e), "hf": _summary(h), "speedup": statistics.median(ratios),
+            "pair_speedups": ratios}
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -98,7 +120,7 @@ def cpu_gemm_peak(threads: int | None = None) -> dict:
     """fp32 GEMM GFLOP/s on CPU at the model's sizes, through torch's default BLAS (F.linear:
     MKL) and through the engine's `cpu_linear` (oneDNN), best of the shapes (CPU only)."""
     import torch.nn.functional as F
-    from rollout.layers.linear import cpu_linear
+    from rollout.layers.cpu_gemm import cpu_linear
     out = {}
     with torch.inference_mode():
         for name, fn in (("mkl_F.linear", F.linear), ("engine_cpu_linear", cpu_linear)):
@@ -176,10 +198,11 @@ def run(args) -> dict:
     rows = []
     hf = None if args.skip_hf else _load_hf(model_dir, args)
     for bs in args.batch_sizes:
-        row = {"batch": bs, "engine": bench_engine(engine, bs, args)}
+        engine_call = engine_runner(engine, bs, args)
         if hf is not None:
-            row["hf"] = bench_hf(hf, bs, args)
-            row["speedup"] = row["engine"]["tok_per_s"] / row["hf"]["tok_per_s"]
+            row = {"batch": bs, **compare(engine_call, hf_runner(hf, bs, args), args.repeats)}
+        else:
+            row = {"batch": bs, "engine": timed(engine_call, args.repeats)}
         row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
         if gemm is not None:  # CPU: the compute floor at each library's measured GEMM peak
             row["gemm_floor_tok_per_s"] = {k: cpu_floor_tok_per_s(engine, bs, args, v)

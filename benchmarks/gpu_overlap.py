@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_throughput import SHAPES, bench_engine
+from benchmarks.decode_throughput import SHAPES, engine_runner, timed
 from benchmarks.profile_decode import replay_ms
 from benchmarks.gpu_parity import ragged_prompts
 from rollout import Engine, EngineConfig, SamplingParams
@@ -43,7 +43,7 @@ def main() -> None:
                                      max_running_requests=max(args.batch_sizes)))
         outputs[overlap] = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, check)]
         for bs in args.batch_sizes:
-            r = bench_engine(engine, bs, args)
+            r = timed(engine_runner(engine, bs, args), args.repeats)
             rows[bs]["overlap" if overlap else "sequential"] = r
             rows[bs]["ms_per_step_" + ("overlap" if overlap else "sequential")] = (
                 r["seconds"] / args.new_tokens * 1e3)

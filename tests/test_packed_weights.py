@@ -1,7 +1,9 @@
-"""oneDNN-packed CPU weights: the same results as the plain weights, and never read stale.
+"""oneDNN-packed CPU weights: the results of the plain weights, and never read stale.
 
-The oracle for staleness is an engine that never packed anything (packing off) holding the same
-weights: after every kind of weight write, both must give the same logits bit for bit."""
+The oracle is an engine that never packs anything (packing off) holding the same weights. The
+packed GEMMs are bit for bit the plain ones; the MLP's SiLU runs as a oneDNN post-op on the
+packed path (an fp32 ulp or two from torch's), so logits agree within 1e-5 and greedy tokens
+exactly — a stale packed copy (a 0.02-scale weight change) is off by orders of magnitude more."""
 import pytest
 import torch
 
@@ -9,7 +11,6 @@ from rollout import Engine, EngineConfig, SamplingParams
 from tests.helpers import hf_model
 from tests.test_weight_sync import hf_logits, perturb
 
-# 18 prompts: every prefill and decode step has >= 16 rows, so the packed copies are used
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(3 + i % 5)] for i in range(18)]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -22,18 +23,16 @@ def engines(tiny_dirs):
     return packed, plain, hf_model(path)
 
 
-def _outputs(engine):
-    return [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, GREEDY)]
-
-
 def _same(packed, plain) -> None:
-    assert torch.equal(packed.prefill_logits(PROMPTS), plain.prefill_logits(PROMPTS))
-    assert _outputs(packed) == _outputs(plain)
+    assert (packed.prefill_logits(PROMPTS) - plain.prefill_logits(PROMPTS)).abs().max() <= 1e-5
+    got, want = packed.generate(PROMPTS, GREEDY), plain.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(abs(a - b) for o, w in zip(got, want) for a, b in zip(o.logprobs, w.logprobs)) <= 1e-5
     assert len(packed.runner.model.packed_weights) > 0  # the packed path was taken
     assert len(plain.runner.model.packed_weights) == 0
 
 
-def test_packed_weights_give_the_plain_results_bit_for_bit(engines):
+def test_packed_weights_give_the_plain_results(engines):
     packed, plain, _ = engines
     _same(packed, plain)
 

@@ -1,11 +1,7 @@
 """Megatron-style tensor-parallel linear layers. With tp.size == 1 they are plain linears.
 
-On CPU, fp32 GEMMs above a small size go through oneDNN (`cpu_linear`) instead of torch's
-default BLAS (MKL): on the AMD development machine MKL's sgemm runs at about half of oneDNN's
-speed from 4 rows up (and its GEMV is slower for the large matrices too). By default oneDNN
-reorders the plain Parameter into its blocked layout on every call, which costs far less than
-the GEMM it speeds up at decode sizes; for GEMMs of many rows the model passes a copy packed once
-(`pack_cpu_weight`, cached by `packed_weights.PackedWeights`, which every weight write empties)."""
+`linear` is F.linear on either device: CPU GEMMs go through oneDNN (`cpu_gemm`), single-row CUDA
+GEMMs through the Triton skinny-GEMM kernels (`triton_gemv`), the rest through cuBLAS."""
 from __future__ import annotations
 
 import os
@@ -16,48 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.distributed import SINGLE, TPGroup
+from rollout.layers.cpu_gemm import cpu_linear
 from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
-
-
-def _onednn_linear_op():
-    if os.environ.get("ROLLOUT_CPU_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):  # a torch build without it
-        return None
-
-
-_ONEDNN_LINEAR = _onednn_linear_op()
-# rows x out x in from which oneDNN beats MKL on CPU. In a loop over one small GEMV, caches hot,
-# MKL wins below ~2^19 (oneDNN's per-call cost is ~10 us); inside a decode step, where every
-# weight comes from memory, oneDNN wins from much smaller sizes: with the cpu-small shape's
-# qkv/o/down GEMVs (98k, 65k, 262k multiply-adds) on oneDNN too, a batch-1 generate ran 6.5%
-# faster than with them on MKL (same process, interleaved, medians of 6; 3% at batch 4).
-ONEDNN_MIN_WORK = 1 << 15
-# Rows from which a pre-packed weight (`pack_cpu_weight`) is used: below, oneDNN's GEMV on the
-# plain weight is as fast, and the reorder it saves is negligible.
-PACKED_MIN_ROWS = 16
-
-
-def pack_cpu_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """oneDNN's blocked copy of a CPU fp32 weight [out, in], for `cpu_linear(..., packed=)`; None
-    where `cpu_linear` would not use oneDNN. The same GEMM results bit for bit as the plain
-    weight (oneDNN reorders it the same way on every call otherwise)."""
-    if (_ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype != torch.float32
-            or weight.dim() != 2 or weight.numel() == 0):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (AttributeError, RuntimeError):  # a torch build without it
-        return None
 
 
 # CUDA: single-row GEMMs (decode at batch 1) in 16-bit dtypes go to the Triton skinny-GEMM
 # kernels (`triton_gemv`): they are bound by reading the weight, and cuBLAS's GEMVs for these
 # shapes leave a quarter to half of the bandwidth unused. Measured in the engine on an H200
-# (docs/BENCHMARKS.md): batch 1 +9-13%; at 4 rows the kernels lost 7% although faster alone,
-# at 16 they tied, so more rows stay on cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
+# (docs/BENCHMARKS.md): batch 1 +9-18%; at 4 and 16 rows no gain in the engine (-7% to +1%
+# over three runs) although some kernels are faster alone, so more rows stay on cuBLAS.
+# ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 SKINNY_MAX_ROWS = 1
 
@@ -80,27 +44,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         from rollout.layers import triton_gemv
         return triton_gemv.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               packed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, through oneDNN for fp32 CPU GEMMs of at least ONEDNN_MIN_WORK multiply-adds when
-    no autograd is needed (the engine runs under inference_mode). Results are IEEE fp32 like
-    MKL's, summed in another order (ulp-level differences, as between two BLAS libraries).
-    `packed`: `pack_cpu_weight(weight)`, used from PACKED_MIN_ROWS rows of a 2-D x."""
-    global _ONEDNN_LINEAR
-    if (packed is not None and _ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
-            and x.dtype == torch.float32 and not torch.is_grad_enabled()):
-        return _ONEDNN_LINEAR(x, packed, bias, "none", [], "")
-    if (_ONEDNN_LINEAR is None or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or torch.is_grad_enabled()
-            or x.numel() * weight.shape[0] < ONEDNN_MIN_WORK):
-        return F.linear(x, weight, bias)
-    try:
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    except RuntimeError:  # an input oneDNN refuses: never try again, the result is the same
-        _ONEDNN_LINEAR = None
-        return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):

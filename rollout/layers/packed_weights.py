@@ -1,9 +1,8 @@
 """oneDNN pre-packed copies of a model's CPU fp32 GEMM weights, for GEMMs of many rows.
 
-`cpu_linear` hands oneDNN the plain weight, which it reorders into its blocked layout on every
-call: cheap next to a GEMV, but at 16+ rows (prefill, large decode batches) the reorder is a
-tenth of the GEMM. Here each weight is reordered once, on first use, and the copy is kept until
-the weights may change. One cache per model, owned by the model; every path that writes weights
+Given the plain weight, oneDNN reorders it into its blocked layout on every call: a tenth of a
+64-row GEMM, and a quarter of a 4-row decode step here. Each weight is reordered once, on first
+use, and the copy is kept until the weights may change. One cache per model, owned by the model; every path that writes weights
 (`load_weights`, a weight-sync write phase — including a registered-IPC copy plan, which writes
 parameter storage without going through `load_weights` — `import_weights`, memory release and
 resume) calls `clear()`, so a stale copy is never read. Costs a second copy of those weights in
@@ -14,14 +13,15 @@ from typing import Optional
 
 import torch
 
-from rollout.layers.linear import pack_cpu_weight
+from rollout.layers.cpu_gemm import pack_cpu_weight
 
 
 class PackedWeights:
     def __init__(self) -> None:
         self.enabled = False
-        # id(weight) -> (weight, packed): keeping the weight alive keeps its id from being reused
-        self._cache: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        # id(weight) (or a tagged id) -> (weight, packed): keeping the weight alive keeps its id
+        # from being reused
+        self._cache: dict = {}
 
     def __call__(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
         """The packed copy of `weight` (made now if missing), or None when packing is off or
@@ -31,6 +31,18 @@ class PackedWeights:
         hit = self._cache.get(id(weight))
         if hit is None:
             hit = self._cache[id(weight)] = (weight, pack_cpu_weight(weight))
+        return hit[1]
+
+    def halves(self, weight: torch.Tensor, first_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Packed copies of weight[:first_rows] and weight[first_rows:] (a fused gate/up weight's
+        two projections), or None when packing is off or oneDNN does not take them."""
+        if not self.enabled:
+            return None
+        key = ("halves", id(weight))
+        hit = self._cache.get(key)
+        if hit is None:
+            parts = (pack_cpu_weight(weight[:first_rows]), pack_cpu_weight(weight[first_rows:]))
+            hit = self._cache[key] = (weight, None if None in parts else parts)
         return hit[1]
 
     def clear(self) -> None:

@@ -11,8 +11,9 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   cpu_linear, use_skinny)
+                                   use_skinny)
 from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.packed_weights import PackedWeights
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
@@ -123,9 +124,13 @@ class DecoderLayer(nn.Module):
                         self.self_attn.o_proj.bias)
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
-        gate, up = cpu_linear(x, gu_w, None, packed(gu_w)).split(inter, dim=-1)
-        return _row_linear(nn.functional.silu(gate).mul_(up), down_w, packed(down_w), tp,
-                           self.mlp.down_proj.bias), residual
+        halves = packed.halves(gu_w, inter)
+        if halves is not None:
+            act = cpu_gate_up_silu(x, *halves)
+        else:
+            gate, up = cpu_linear(x, gu_w, None, packed(gu_w)).split(inter, dim=-1)
+            act = nn.functional.silu(gate).mul_(up)
+        return _row_linear(act, down_w, packed(down_w), tp, self.mlp.down_proj.bias), residual
 
     def _cpu_refs(self) -> tuple:
         """The tensors and sizes `forward_cpu` reads, looked up once. Parameters are updated in
