@@ -9,6 +9,7 @@ other requests share the batch, and needs no generator state."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,11 @@ from typing import Optional
 import torch
 
 from rollout.sampling_info import SamplingBatchInfo
+
+# CUDA, no filter and no top-logprobs: three Triton kernels (`triton_sampler`) instead of ~20
+# torch ops. ROLLOUT_FUSED_SAMPLER=0: the torch path everywhere.
+FUSED_GPU_SAMPLER = os.environ.get("ROLLOUT_FUSED_SAMPLER", "1") != "0"
+
 
 @dataclass
 class SampleOutput:
@@ -51,6 +57,11 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     row filters (`keep_mask`): tokens and logprobs are bit for bit those of the full path. The
     full-vocabulary log-softmax is computed only for top-logprobs; otherwise the token's logprob
     is the log of its softmax probability (one pass over the vocabulary, not two)."""
+    if (logits.is_cuda and FUSED_GPU_SAMPLER and not info.needs_filter and info.max_top_logprobs == 0
+            and logits.dtype == torch.float32 and logits.stride(-1) == 1):
+        from rollout import triton_sampler  # lazily: triton only where CUDA runs
+        return SampleOutput(*triton_sampler.sample_unfiltered(
+            logits, info.temperatures, info.greedy, info.uniforms))
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)
     if info.max_top_logprobs > 0:
         logprobs_all = torch.log_softmax(scaled, dim=-1)
