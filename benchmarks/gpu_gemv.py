@@ -90,7 +90,15 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
                 s = c
         return s
 
-    if M == 1 and rows * K <= 32 << 20:  # the small matrices, where launch and ramp dominate
+    if M > g.MAX_M:  # decode batches, fused gate/up + SiLU only: M tiles on the tensor cores
+        for bm in (64, 128):
+            for bn in (32, 64, 128):
+                for bk in (64, 128):
+                    if bm * bn <= 8192:
+                        out.append(Config(bn, bk, 1, 4 if bm * bn <= 4096 else 8, True, 3, bm))
+        out += [Config(64, 64, 1, 8, True, 4, 128), Config(64, 64, 1, 4, True, 4, 64),
+                Config(128, 64, 1, 8, True, 3, 64)]
+    elif M == 1 and rows * K <= 32 << 20:  # the small matrices, where launch and ramp dominate
         for bn in (2, 4, 8):
             for bk in (256, 512, 1024):
                 for nw in (2, 4, 8):
@@ -202,6 +210,8 @@ def main() -> None:
                    help="stop sweeping (defaults still run) after this many seconds")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--rows", nargs="*", type=int, default=ROWS)
+    p.add_argument("--batch-rows", nargs="*", type=int, default=[32, 64, 128, 256],
+                   help="decode batches for the fused gate/up + SiLU kernel (gated shapes only)")
     p.add_argument("--configs-out", default=None,
                    help="JSON for triton_gemv.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
                         "per case, null where cuBLAS was faster")
@@ -232,7 +242,7 @@ def main() -> None:
           f"{'default':>8} {'GB/s':>7} {'%copy':>6} | {'best':>8} {'GB/s':>7} {'%copy':>6} "
           f"{'x cuBLAS':>8} {'rel.err':>8}  best config")
     for name in args.shapes:
-        for M in args.rows:
+        for M in args.rows + (args.batch_rows if SHAPES[name][3] else []):
             try:
                 row = run_case(g, triton_ops, name, M, copy_bw, deadline)
             except Exception:

@@ -38,7 +38,7 @@ for stage in "$@"; do
     # the skinny-GEMM kernels on and off (ROLLOUT_SKINNY_GEMM), engine alone, small batches
     skinny-ab) [ -f "$OUT/gemv_configs.json" ] && export ROLLOUT_SKINNY_CONFIGS=$OUT/gemv_configs.json
               run skinny_ab 420 bash -c 'for s in 1 0; do ROLLOUT_SKINNY_GEMM=$s python3 benchmarks/decode_throughput.py \
-              --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 4 16 128 --prompt-len 128 \
+              --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
               --new-tokens 128 --repeats 2 --skip-hf --out $OUT/skinny_$s.json; done' ;;
     decode) run decode 480 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \

@@ -86,6 +86,19 @@ def test_skinny_gate_up_silu_fp32(config, shape):
         assert rel_err(out, ref) <= 1e-5, m
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_gate_up_silu_tiles_decode_batches_fp32(block_m):
+    """Above 16 rows (decode batches) the dot kernel also tiles M; ragged last tile."""
+    inter, k = 24, 48
+    w = rand(2 * inter, k, seed=7)
+    for m in (17, 40):
+        x = rand(m, k, seed=m)
+        out = skinny_gate_up_silu(x, w, inter, config=Config(16, 16, dot=True, block_m=block_m))
+        assert rel_err(out, ref_gate_up_silu(x, w, inter)) <= 1e-5, m
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gate_up_silu(rand(triton_gemv.GATED_MAX_M + 1, k), w, inter)
+
+
 def test_default_config_and_strided_rows():
     """The heuristic's config (no override) on a ragged shape; x rows with a stride > K."""
     w, b = rand(40, 48, seed=1), rand(40, seed=2)
@@ -146,6 +159,15 @@ def test_gpu_bf16_gate_up_silu():
     inter, k = 8960, 1536
     w = rand(2 * inter, k, dtype=torch.bfloat16, seed=3) * k ** -0.5
     for m in GPU_ROWS:
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        assert rel_err(skinny_gate_up_silu(x, w, inter), ref_gate_up_silu(x, w, inter)) <= 1e-2, m
+
+
+@gpu
+def test_gpu_bf16_gate_up_silu_batches():
+    inter, k = 8960, 1536
+    w = rand(2 * inter, k, dtype=torch.bfloat16, seed=3) * k ** -0.5
+    for m in (32, 48, 128, 256):
         x = rand(m, k, dtype=torch.bfloat16, seed=m)
         assert rel_err(skinny_gate_up_silu(x, w, inter), ref_gate_up_silu(x, w, inter)) <= 1e-2, m
 

@@ -41,7 +41,9 @@ from triton.language.extra import libdevice
 
 from rollout.layers.triton_ops import _is_compiled, _round
 
-MAX_M = 16  # above this the caller uses cuBLAS
+MAX_M = 16  # skinny_linear: above this the caller uses cuBLAS
+GATED_MAX_M = 256  # skinny_gate_up_silu: the dot kernel tiles M too (decode batches to 256)
+FMA_MAX_M = 16
 DOT_M = 16  # rows x is padded to in the dot kernel (tl.dot needs >= 16)
 MAX_SPLIT_K = 16
 NUM_SMS_H200 = 132
@@ -54,6 +56,7 @@ class Config(NamedTuple):
     num_warps: int = 4
     dot: bool = False  # tensor-core kernel (M padded to 16) instead of the FMA one
     num_stages: int = 3
+    block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -135,8 +138,8 @@ def _gemv_dot_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # M blocks: decode batches above 16 rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     rows_m = tl.minimum(offs_m, M - 1)
@@ -200,12 +203,18 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # rows, 2·I for the gated variant). M is looked up rounded up to a power of two.
 # None: cuBLAS (+ the separate SiLU kernel, when gated) measured faster, so `supports` says no.
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
-# shapes at one row, the only size the engine sends here (see linear.SKINNY_MAX_ROWS); other
-# shapes and sizes take the heuristic. µs per call in a CUDA graph, weights from HBM.
+# shapes: one row (the engine's only size for the plain GEMMs, see linear.SKINNY_MAX_ROWS) and,
+# for the fused gate/up + SiLU, decode batches (used only where an entry here says the kernel
+# wins: keys 64 and 128, i.e. batches of 17-128 rows but 32); other shapes take the heuristic.
+# µs per call in a CUDA graph, weights from HBM.
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (1, 2048, 1536, False): Config(4, 512, 1, 4, False, 3),  # qkv: 4.0 µs, cuBLAS 5.2
     (1, 1536, 1536, False): Config(2, 512, 1, 4, False, 3),  # o: 3.6 µs, cuBLAS 6.5
     (1, 17920, 1536, True): Config(2, 256, 1, 2, False, 3),  # gate_up+SiLU: 15.5, cuBLAS+SiLU 18.9
+    (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5
+    (64, 17920, 1536, True): Config(64, 64, 1, 4, True, 4, 64),  # 19.1 vs 21.7
+    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64),  # 22.6 vs 22.8
+    (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3),  # down: 9.3 µs, cuBLAS 11.4
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
 }
@@ -236,6 +245,8 @@ def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
         return tuned
     rows = N // 2 if gated else N  # output columns; a gated program loads 2·block_n rows
     halves = 2 if gated else 1
+    if M > DOT_M:  # a decode batch (gated only): 64-row tiles on the tensor cores
+        return Config(64, 64, 1, 4, True, 3, 64)
     if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs
         block_k = _pow2_divisor(K, 512)
         block_n = max(4, 4096 // block_k // halves)
@@ -272,23 +283,28 @@ def _pow2_divisor(K: int, cap: int) -> int:
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """True when skinny_linear(x, weight) (skinny_gate_up_silu when `gated`) can run these
     tensors and the tuned table does not say cuBLAS is faster for this shape."""
+    max_m = GATED_MAX_M if gated else MAX_M
     ok = (x.is_cuda and weight.is_cuda and x.device == weight.device
           and x.dtype == weight.dtype
           and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-          and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+          and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= max_m
           and x.shape[1] == weight.shape[1] and x.shape[1] >= 1 and weight.shape[0] >= 1
           and x.stride(1) == 1 and weight.is_contiguous())
+    if not ok:
+        return False
     key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
-    return ok and (key not in _TUNED or _TUNED[key] is not None)
+    if x.shape[0] > MAX_M:  # batches: only where a measured table entry says the kernel wins
+        return _TUNED.get(key) is not None
+    return key not in _TUNED or _TUNED[key] is not None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_M) -> None:
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
             or x.dtype != weight.dtype or x.device != weight.device):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
                          f"{weight.dtype} must be [M, K] and [N, K] of one dtype and device")
-    if not 1 <= x.shape[0] <= MAX_M:
-        raise ValueError(f"{x.shape[0]} rows: skinny GEMMs take 1 to MAX_M={MAX_M}")
+    if not 1 <= x.shape[0] <= max_m:
+        raise ValueError(f"{x.shape[0]} rows: this kernel takes 1 to {max_m}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
@@ -309,12 +325,15 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-    grid = (triton.cdiv(N, cfg.block_n), split)
     if cfg.dot:
-        _gemv_dot_kernel[grid](*args, BLOCK_M=DOT_M, **meta,
+        grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
+        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
                                PREC="ieee" if x.dtype == torch.float32 else "tf32")
     else:
-        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), **meta)
+        if M > FMA_MAX_M:
+            raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
+        _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
+            *args, BLOCK_M=triton.next_power_of_2(M), **meta)
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
@@ -340,12 +359,13 @@ def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: in
                         config: Optional[Config] = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight_gate_up)) without writing the [M, 2·inter] intermediate:
     weight [2·inter, K] with gate rows [0, inter) and up rows [inter, 2·inter); returns
-    silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype)."""
-    _check(x, weight_gate_up)
+    silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype).
+    Up to GATED_MAX_M rows (the dot kernel tiles M above 16)."""
+    _check(x, weight_gate_up, GATED_MAX_M)
     if weight_gate_up.shape[0] != 2 * inter or inter < 1:
         raise ValueError(f"weight {tuple(weight_gate_up.shape)} is not [2·{inter}, K]")
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     return _launch(x, weight_gate_up, None, out, True, config)
 
 
-__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M"]
+__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M", "GATED_MAX_M"]
