@@ -205,7 +205,7 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row (the engine's only size for the plain GEMMs, see linear.SKINNY_MAX_ROWS) and,
 # for the fused gate/up + SiLU, decode batches (used only where an entry here says the kernel
-# wins: keys 64 and 128, i.e. batches of 17-128 rows but 32); other shapes take the heuristic.
+# wins: keys 64 and 128, i.e. batches of 33-128 rows); other shapes take the heuristic.
 # µs per call in a CUDA graph, weights from HBM.
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (1, 2048, 1536, False): Config(4, 512, 1, 4, False, 3),  # qkv: 4.0 µs, cuBLAS 5.2
