@@ -22,6 +22,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cuda_timing import replay_seconds
+
 SHAPES = {  # name: (N weight rows, K, bias, gated)
     "qkv": (2048, 1536, True, False),
     "o": (1536, 1536, False, False),
@@ -58,16 +60,9 @@ def time_per_call(fn, n_weights: int, replays: int = 10) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS):
             fn(i % n_weights)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    seconds = replay_seconds(graph, replays) / CALLS
     del graph
-    return start.elapsed_time(end) / 1e3 / (replays * CALLS)
+    return seconds
 
 
 def rel_err(out, ref) -> float:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.cuda_timing import replay_seconds
 from benchmarks.decode_throughput import SHAPES, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.tiny_model import make_tiny_model
@@ -29,16 +30,7 @@ def replay_ms(engine: Engine, bs: int, n: int = 50) -> float:
     gr = engine.runner.graph_runner
     if gr is None or bs not in gr.graphs:
         return float("nan")
-    g = gr.graphs[bs]
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return replay_seconds(gr.graphs[bs], n) * 1e3
 
 
 def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, float]:

@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton reads it once, when a kernel is decorated: set here, before any test module imports
+    # our kernels, so they run under the interpreter on CPU. Only without a GPU: on a GPU machine
+    # it would interpret every Triton kernel in the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 from rollout.tiny_model import TinyModelSpec, make_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,6 +1,8 @@
-"""Shared test helpers: the HF oracle and a direct ModelRunner driver."""
+"""Shared test helpers: the HF oracle, a direct ModelRunner driver, and the device / Triton
+guards of the kernel specs."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollout.batch_builder import build_batch
@@ -9,6 +11,22 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardMode
 from rollout.kv_allocator import KVAllocator
 from rollout.model_runner import ModelRunner
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def gpu(test):
+    """A spec that needs a CUDA GPU (marked `gpu`; `bash benchmarks/gpu_suite.sh smoke` runs them)."""
+    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
+
+
+def require_runnable_triton(kernel) -> None:
+    """Skip the calling test module when its Triton kernels cannot run here: on CPU they must
+    have been decorated under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if DEV.type == "cpu" and not isinstance(kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
+                    allow_module_level=True)
 
 
 @torch.inference_mode()

@@ -7,37 +7,22 @@ same mean) and within its stated bound otherwise (RMSNorm: 2 bf16 ulps; silu_and
 interpreter, whose exp is numpy's: 2 ulps). On a GPU (tests marked `gpu`): bf16 on model-sized
 shapes, silu_and_mul bit for bit, and the ops captured in a CUDA graph."""
 import contextlib
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
-    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from rollout.layers import triton_ops  # noqa: E402
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
-from tests.helpers import RunnerDriver  # noqa: E402
+from tests.helpers import DEV, RunnerDriver, gpu, require_runnable_triton  # noqa: E402
 from tests.test_model_parity import PROMPTS  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not isinstance(triton_ops._rms_norm_kernel, InterpretedFunction):
-    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
+require_runnable_triton(triton_ops._rms_norm_kernel)
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
 
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
 
 
 # ---- references: the torch expressions the kernels replace -------------------------------------

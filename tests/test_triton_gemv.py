@@ -6,33 +6,18 @@ multiple of BLOCK_N, K not a multiple of BLOCK_K), through both kernels (FMA and
 with and without split-K: within 1e-5 relative of torch. On a GPU (tests marked `gpu`): bf16 on
 the Qwen2-1.5B decode shapes with the default launch config, relative error (norm of the
 difference over the norm of the reference) <= 1e-2, and inside a CUDA graph."""
-import os
-
+import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
-    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
 pytest.importorskip("triton")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from rollout.layers import triton_gemv  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_gate_up_silu, skinny_linear  # noqa: E402
+from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not isinstance(triton_gemv._gemv_fma_kernel, InterpretedFunction):
-    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
+require_runnable_triton(triton_gemv._gemv_fma_kernel)
 
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
 
 
 def rand(*shape, dtype=torch.float32, seed=0):

@@ -4,39 +4,24 @@ On CPU the kernels run under the Triton interpreter (fp32, tiny ragged batches),
 an independent per-request reference, against the torch_native backend, and end to end against
 Hugging Face. On a GPU (tests marked `gpu`): bf16 kernels against torch_native, and the decode
 CUDA graphs against eager, also after an in-place weight reload."""
-import os
+import dataclasses
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Read once, when a kernel is decorated: must precede the first import of our kernels. Only
-    # without a GPU: on a GPU machine it would interpret every Triton kernel in the process.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import dataclasses  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-
 pytest.importorskip("triton")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from rollout.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rollout.attention.triton_backend import TritonBackend  # noqa: E402
 from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
 from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from tests.helpers import RunnerDriver, eager_graph_capture, hf_last_logits, hf_model  # noqa: E402
+from tests.helpers import (DEV, RunnerDriver, eager_graph_capture, gpu, hf_last_logits,  # noqa: E402
+                           hf_model, require_runnable_triton)
 from tests.test_model_parity import PROMPTS  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not isinstance(decode._decode_partial_kernel, InterpretedFunction):
-    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
+require_runnable_triton(decode._decode_partial_kernel)
 
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
 
 
 SEQ_LENS = [1, 40, 17, 33, 5]

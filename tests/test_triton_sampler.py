@@ -2,32 +2,23 @@
 temperature, greedy rows), row by row whatever the batch, with the logprob of the drawn token
 under softmax(logits / T) within 1e-5; on a GPU its frequencies match softmax (chi-square).
 
-On CPU the kernels run under the Triton interpreter (fp32); both paths invert the same CDF in
+On CPU the kernels run under the Triton interpreter (fp32, tests/conftest.py); both paths invert the same CDF in
 vocabulary order with float64 sums, summed in another order, so a draw could differ only where
 u * total falls within rounding of a token boundary (not on these rows)."""
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before our kernels are first imported (see test_fused_ops)
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
 from scipy.stats import chisquare  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from rollout import triton_sampler  # noqa: E402
 from rollout.sampler import sample  # noqa: E402
 from rollout.sampling_info import SamplingBatchInfo  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
+from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not isinstance(triton_sampler._pick, InterpretedFunction):
-    pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
+require_runnable_triton(triton_sampler._pick)
 
 VOCAB = 2 * triton_sampler.CHUNK + 700  # three chunks, the last one partial
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
@@ -70,8 +61,7 @@ def test_fused_sampler_rows_do_not_depend_on_the_batch():
     assert batch[0][3] == alone[0][0] and batch[1][3] == alone[1][0]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")
+@gpu
 def test_fused_sampler_frequencies_match_softmax():
     vocab, draws = 3000, 60_000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
