@@ -3,9 +3,9 @@ renormalised survivors of the previous, as HF applies them), and the log-probabi
 sampled token under softmax(logits / T) over the full vocabulary.
 
 Randomness is counter-based: one uniform per row from a hash of (seed, position), computed on
-the host with the batch (`SamplingBatchInfo.uniforms`), turned into a token by inverse-CDF over
-the filtered distribution. A row's draw thus never depends on which
-other requests share the batch, and needs no generator state."""
+the host with the batch (`SamplingBatchInfo.uniforms`, `random_stream.py`), turned into a token
+by inverse-CDF over the filtered distribution. A row's draw thus never depends on which other
+requests share the batch, and needs no generator state."""
 from __future__ import annotations
 
 import math

@@ -42,6 +42,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → full-vocabulary logits (each rank's slice, gathered)."""
 
     def compute_logits(self, hidden: torch.Tensor, packed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`packed`: the weight's `pack_cpu_weight` copy (CPU GEMMs of many rows), or None."""
+        """`packed`: the weight's `pack_cpu_weight` copy (CPU), or None."""
         logits = self.tp.all_gather_last_dim(linear(hidden, self.weight, None, packed))
         return logits[..., : self.vocab_size]

@@ -1,12 +1,13 @@
-"""oneDNN pre-packed copies of a model's CPU fp32 GEMM weights, for GEMMs of many rows.
+"""oneDNN pre-packed copies of a model's CPU fp32 GEMM weights.
 
 Given the plain weight, oneDNN reorders it into its blocked layout on every call: a tenth of a
 64-row GEMM, and a quarter of a 4-row decode step here. Each weight is reordered once, on first
-use, and the copy is kept until the weights may change. One cache per model, owned by the model; every path that writes weights
-(`load_weights`, a weight-sync write phase — including a registered-IPC copy plan, which writes
-parameter storage without going through `load_weights` — `import_weights`, memory release and
-resume) calls `clear()`, so a stale copy is never read. Costs a second copy of those weights in
-host memory, so it is off unless the engine's config turns it on (the CPU default)."""
+use, and the copy is kept until the weights may change. One cache per model, owned by the
+model; every path that writes weights (`load_weights`, a weight-sync write phase — including a
+registered-IPC copy plan, which writes parameter storage without going through `load_weights` —
+`import_weights`, memory release and resume) calls `clear()`, so a stale copy is never read.
+Costs a second copy of those weights in host memory, so it is off unless the engine's config
+turns it on (the CPU default)."""
 from __future__ import annotations
 
 from typing import Optional

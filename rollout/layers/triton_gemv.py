@@ -1,4 +1,5 @@
-"""Triton kernels for the decode-time skinny GEMMs: y = x @ W.T with few rows (1 <= M <= MAX_M).
+"""Triton kernels for the decode-time skinny GEMMs: y = x @ W.T with few rows (1 <= M <= MAX_M),
+and the fused gate/up projection + SiLU (to GATED_MAX_M rows).
 
 Why: a small-batch decode step is bound by memory bandwidth, not math — every projection reads
 its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels for such
@@ -10,7 +11,8 @@ imported lazily on first GPU use, so a CPU test can turn on TRITON_INTERPRET=1 f
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
     accumulator of elementwise products over the K loop, reduced along K once at the end.
-  * dot (`_gemv_dot_kernel`, M up to 16): x padded to 16 rows, tensor-core tl.dot per K chunk.
+  * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; for the
+    gated variant also decode batches up to GATED_MAX_M rows, tiled along M (`Config.block_m`).
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
 and a second kernel sums them in a fixed order: deterministic, no atomics.
 `skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads

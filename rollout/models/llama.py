@@ -10,8 +10,8 @@ from rollout.config import ModelConfig
 from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
-from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
+from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    use_skinny)
 from rollout.layers.norm import RMSNorm, rms_norm_ref
@@ -65,7 +65,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             w = self.gate_up_proj.weight
-            if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # gate/up/SiLU: one kernel
+            if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
                 from rollout.layers import triton_gemv
                 return self.down_proj(triton_gemv.skinny_gate_up_silu(x, w, self.inter))
             from rollout.layers import triton_ops
