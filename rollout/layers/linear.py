@@ -25,13 +25,14 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 SKINNY_MAX_ROWS = 1
+GATED_MIN_ROWS = 17  # the fused gate/up + SiLU for decode batches from here (2-16 rows: no gain)
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """One-row GEMMs; with `gated`, also decode batches where the tuned table says the fused
     gate/up + SiLU kernel beats cuBLAS + the SiLU kernel (`triton_gemv.supports`)."""
     if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and (x.shape[0] <= SKINNY_MAX_ROWS or (gated and x.shape[0] > 16))):
+            and (x.shape[0] <= SKINNY_MAX_ROWS or (gated and x.shape[0] >= GATED_MIN_ROWS))):
         return False
     from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
     return triton_gemv.supports(x, weight, gated)
