@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.attention.base import AttentionBackend
+from rollout.attention.kv_mirror import DecodeKVMirror
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
@@ -46,6 +47,9 @@ class TorchNativeBackend(AttentionBackend):
         # the block-diagonal query of `_decode_matmul_cpu`, zero off its diagonal blocks
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qexp: torch.Tensor | None = None
+        # CPU decode from DECODE_MATMUL_MIN_BATCH requests: the batch's K/V kept dense across
+        # steps (appended, not gathered, while the batch stays the same)
+        self.kv_mirror = DecodeKVMirror()
 
     def _gather_kv(self, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor):
         """CPU: K and V rows of `slots`, gathered into the reused buffers (views of them; valid
@@ -64,8 +68,21 @@ class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode:
             self.meta = self._decode_metadata(fb)
+            self._plan_mirror(fb)
         else:
             self.meta = self._extend_metadata(fb)
+            self.kv_mirror.reset()
+
+    def _plan_mirror(self, fb: "ForwardBatch") -> None:
+        """A CPU decode step served by `_decode_mirror` appends to the mirror or rebuilds it;
+        any other step leaves it stale, so it is reset."""
+        pool = fb.token_to_kv_pool
+        kb = pool.k_buffers[0]
+        if (kb.device.type != "cpu" or fb.batch_size < DECODE_MATMUL_MIN_BATCH
+                or kb.dtype != pool.v_buffers[0].dtype
+                or not self.kv_mirror.plan(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, kb,
+                                           len(pool.k_buffers))):
+            self.kv_mirror.reset()
 
     def _decode_metadata(self, fb: "ForwardBatch") -> PaddedMetadata:
         lens, bs = fb.seq_lens_cpu, fb.batch_size
@@ -102,6 +119,9 @@ class TorchNativeBackend(AttentionBackend):
         if kb.device.type == "cpu" and k.dtype == kb.dtype and v.dtype == vb.dtype:
             kb.index_copy_(0, fb.out_cache_loc, k)  # what set_kv writes, one call each
             vb.index_copy_(0, fb.out_cache_loc, v)
+            if self.kv_mirror.planned and q.dtype == kb.dtype:
+                keys, values = self.kv_mirror.update(layer.layer_id, k, v, kb, vb, self.meta.kv_slots)
+                return self._decode_mirror(q, keys, values, layer)
         else:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode:
@@ -121,9 +141,26 @@ class TorchNativeBackend(AttentionBackend):
                 pool = fb.token_to_kv_pool
                 if pool.k_buffers[layer.layer_id].dtype == q.dtype == pool.v_buffers[layer.layer_id].dtype:
                     return self._decode_matmul_cpu(q, layer, fb)
+            self.kv_mirror.reset()  # this step's tokens miss the mirror
             return self._decode_matmul(q, layer, fb)
         # q [B, H, D] → [B, H, 1, D] is a view; the output comes back as [B, H, 1, D]
         return self._attend_hq(q.unsqueeze(2), layer, fb).reshape(q.shape)
+
+    def _decode_mirror(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: "Attention") -> torch.Tensor:
+        """Decode attention over the mirror's head-major K/V: each KV head's GQA group of query
+        rows against its keys in one `bmm` (scores [B * Hkv, G, L]), softmax, · V; the output
+        [B * Hkv, G, D] is already [B, H, D] in memory. k, v: `DecodeKVMirror.update`'s views."""
+        m = self.meta
+        bs, heads, dim = q.shape
+        kv_heads = k.shape[0] // bs
+        scores = torch.bmm(q.reshape(bs * kv_heads, heads // kv_heads, dim), k.transpose(1, 2))
+        scores.mul_(layer.scaling)
+        if m.mask is not None:
+            scores.view(bs, kv_heads, -1, m.max_len).masked_fill_(
+                m.mask.view(bs, 1, 1, m.max_len).logical_not(), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.bmm(probs, v).view(bs, heads, dim)
 
     def _decode_matmul(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         """Decode attention as two batched matmuls, the GQA group of each KV head in one:
