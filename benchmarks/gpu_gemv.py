@@ -1,5 +1,6 @@
 """Skinny decode GEMMs on one GPU: cuBLAS (F.linear) vs rollout/layers/triton_gemv.py, Qwen2-1.5B
-shapes in bf16, M in {1, 2, 4, 8, 16}, with the default launch config and a sweep of candidates.
+shapes in bf16, M in {1, 2, 4, 8, 16} and decode batches of 32-256 rows (the M-tiled kernel),
+with the default launch config and a sweep of candidates.
 
 Every time is a CUDA graph of CALLS back-to-back calls, replayed and divided, so launch overhead
 does not dominate; calls rotate among enough copies of the weight (> 2x the 50 MB L2 of an H200)
@@ -85,7 +86,24 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
                 s = c
         return s
 
-    if M > g.MAX_M:  # decode batches, fused gate/up + SiLU only: M tiles on the tensor cores
+    if M > g.MAX_M and not gated:  # decode batches: M tiles, split-K where N alone leaves SMs idle
+        for bm in (32, 64, 128):
+            for bn in (32, 64, 128):
+                for bk in (64, 128):
+                    if bm * bn > 8192 or bm > max(32, M):
+                        continue
+                    warps = 4 if bm * bn <= 4096 else 8
+                    tiles = math.ceil(M / bm) * math.ceil(rows / bn)
+                    chunks, splits = math.ceil(K / bk), {1}
+                    for s in range(2, g.MAX_SPLIT_K + 1):
+                        if chunks % s == 0 and chunks // s >= 4:
+                            splits.add(s)
+                            if tiles * s >= g.NUM_SMS_H200:
+                                break
+                    for s in sorted(splits)[-2:] if len(splits) > 1 else [1]:
+                        out.append(Config(bn, bk, s, warps, True, 3, bm))
+                    out.append(Config(bn, bk, 1, warps, True, 3, bm))
+    elif M > g.MAX_M:  # decode batches, fused gate/up + SiLU: M tiles on the tensor cores
         for bm in (64, 128):
             for bn in (32, 64, 128):
                 for bk in (64, 128):
@@ -206,7 +224,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--rows", nargs="*", type=int, default=ROWS)
     p.add_argument("--batch-rows", nargs="*", type=int, default=[32, 64, 128, 256],
-                   help="decode batches for the fused gate/up + SiLU kernel (gated shapes only)")
+                   help="decode batches (the M-tiled kernel), for every shape but the LM head")
     p.add_argument("--configs-out", default=None,
                    help="JSON for triton_gemv.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
                         "per case, null where cuBLAS was faster")
@@ -237,7 +255,7 @@ def main() -> None:
           f"{'default':>8} {'GB/s':>7} {'%copy':>6} | {'best':>8} {'GB/s':>7} {'%copy':>6} "
           f"{'x cuBLAS':>8} {'rel.err':>8}  best config")
     for name in args.shapes:
-        for M in args.rows + (args.batch_rows if SHAPES[name][3] else []):
+        for M in args.rows + (args.batch_rows if name != "lm_head" else []):
             try:
                 row = run_case(g, triton_ops, name, M, copy_bw, deadline)
             except Exception:

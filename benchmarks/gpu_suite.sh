@@ -35,6 +35,17 @@ for stage in "$@"; do
     # skinny-GEMM sweep; its table (gemv_configs.json) is what skinny-ab then runs with
     gemv) run gemv 330 python3 benchmarks/gpu_gemv.py --budget-s 150 --out "$OUT/gemv.json" \
               --configs-out "$OUT/gemv_configs.json" ;;
+    # decode batches only: the M-tiled kernel's sweep (gemv_batch_configs.json), then the engine
+    # with that table added and without it (the baked-in one), engine alone
+    gemv-batch) run gemv_batch 420 python3 benchmarks/gpu_gemv.py --budget-s 240 --rows \
+              --batch-rows 32 64 128 256 --shapes qkv o down gate_up --out "$OUT/gemv_batch.json" \
+              --configs-out "$OUT/gemv_batch_configs.json" ;;
+    batch-ab) run batch_ab 540 bash -c 'for t in with without; do \
+              if [ $t = with ]; then export ROLLOUT_SKINNY_CONFIGS=${BATCH_CONFIGS:-$OUT/gemv_batch_configs.json}; \
+              else unset ROLLOUT_SKINNY_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --skip-hf --out $OUT/batch_$t.json; done' ;;
+    gemv-test) run gemv_test 240 python3 -m pytest -q -m gpu tests/test_triton_gemv.py -p no:cacheprovider ;;
     # the skinny-GEMM kernels on and off (ROLLOUT_SKINNY_GEMM), engine alone, small batches
     skinny-ab) [ -f "$OUT/gemv_configs.json" ] && export ROLLOUT_SKINNY_CONFIGS=$OUT/gemv_configs.json
               run skinny_ab 420 bash -c 'for s in 1 0; do ROLLOUT_SKINNY_GEMM=$s python3 benchmarks/decode_throughput.py \

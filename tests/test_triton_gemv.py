@@ -1,5 +1,5 @@
 """Spec: rollout/layers/triton_gemv.py's skinny GEMMs equal F.linear (and the unfused
-silu(gate) * up after the fused gate/up projection) for 1..MAX_M rows.
+silu(gate) * up after the fused gate/up projection) for 1..BATCH_MAX_M rows.
 
 On CPU the kernels run under the Triton interpreter in fp32 on tiny ragged shapes (N not a
 multiple of BLOCK_N, K not a multiple of BLOCK_K), through both kernels (FMA and tensor-core dot),
@@ -72,16 +72,20 @@ def test_skinny_gate_up_silu_fp32(config, shape):
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_gate_up_silu_tiles_decode_batches_fp32(block_m):
-    """Above 16 rows (decode batches) the dot kernel also tiles M; ragged last tile."""
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_decode_batches_tile_m_fp32(block_m, split_k):
+    """Above 16 rows (decode batches) the dot kernel also tiles M (ragged last tile), with and
+    without split-K, for the plain GEMM (with bias) and the fused gate/up + SiLU."""
     inter, k = 24, 48
-    w = rand(2 * inter, k, seed=7)
+    w, b = rand(2 * inter, k, seed=7), rand(2 * inter, seed=8)
+    cfg = Config(16, 16, split_k, dot=True, block_m=block_m)
     for m in (17, 40):
         x = rand(m, k, seed=m)
-        out = skinny_gate_up_silu(x, w, inter, config=Config(16, 16, dot=True, block_m=block_m))
+        out = skinny_gate_up_silu(x, w, inter, config=cfg)
         assert rel_err(out, ref_gate_up_silu(x, w, inter)) <= 1e-5, m
+        assert rel_err(skinny_linear(x, w, b, config=cfg), F.linear(x, w, b)) <= 1e-5, m
     with pytest.raises(ValueError, match="rows"):
-        skinny_gate_up_silu(rand(triton_gemv.GATED_MAX_M + 1, k), w, inter)
+        skinny_gate_up_silu(rand(triton_gemv.BATCH_MAX_M + 1, k), w, inter)
 
 
 def test_default_config_and_strided_rows():
@@ -107,7 +111,7 @@ def test_config_heuristic_is_sane():
 def test_bad_inputs_are_refused():
     w = rand(24, 48)
     with pytest.raises(ValueError, match="rows"):
-        skinny_linear(rand(triton_gemv.MAX_M + 1, 48), w)
+        skinny_linear(rand(triton_gemv.BATCH_MAX_M + 1, 48), w)
     with pytest.raises(ValueError, match="one dtype"):
         skinny_linear(rand(2, 32), w)
     with pytest.raises(ValueError, match="bias"):
@@ -184,3 +188,15 @@ def test_gpu_cuda_graph_replay():
         torch.cuda.synchronize()
         assert torch.equal(out, skinny_linear(x, w))  # deterministic (split-K sums in order)
         assert torch.equal(out_g, skinny_gate_up_silu(xg, wg, 8960))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "down"])
+def test_gpu_bf16_decode_batches(name):
+    """Decode batches on the M-tiled kernel, with the tuned config where there is one."""
+    n, k, has_bias = QWEN2_1_5B[name]
+    w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
+    b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
+    for m in (17, 32, 100, 128, 256):
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        assert rel_err(skinny_linear(x, w, b), F.linear(x, w, b)) <= 1e-2, m

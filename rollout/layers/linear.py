@@ -20,19 +20,19 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # kernels (`triton_gemv`): they are bound by reading the weight, and cuBLAS's GEMVs for these
 # shapes leave a quarter to half of the bandwidth unused. Measured in the engine on an H200
 # (docs/BENCHMARKS.md): batch 1 +9-18%; at 4 and 16 rows no gain in the engine (-7% to +1%
-# over three runs) although some kernels are faster alone, so more rows stay on cuBLAS — except
-# the fused gate/up + SiLU at the batch sizes its tuned table lists (a 64-row tile kernel).
-# ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
+# over three runs) although some kernels are faster alone, so 2-16 rows stay on cuBLAS. Decode
+# batches from BATCH_MIN_ROWS go to the M-tiled kernel only at the (shape, rows) its tuned table
+# lists as faster than cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 SKINNY_MAX_ROWS = 1
-GATED_MIN_ROWS = 17  # the fused gate/up + SiLU for decode batches from here (2-16 rows: no gain)
+BATCH_MIN_ROWS = 17  # decode batches from here, where tuned (2-16 rows: no gain in the engine)
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """One-row GEMMs; with `gated`, also decode batches where the tuned table says the fused
-    gate/up + SiLU kernel beats cuBLAS + the SiLU kernel (`triton_gemv.supports`)."""
+    """One-row GEMMs, and decode batches where the tuned table says the kernel (for `gated`, the
+    fused gate/up + SiLU one) beats cuBLAS (+ the SiLU kernel) (`triton_gemv.supports`)."""
     if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and (x.shape[0] <= SKINNY_MAX_ROWS or (gated and x.shape[0] >= GATED_MIN_ROWS))):
+            and (x.shape[0] <= SKINNY_MAX_ROWS or x.shape[0] >= BATCH_MIN_ROWS)):
         return False
     from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
     return triton_gemv.supports(x, weight, gated)

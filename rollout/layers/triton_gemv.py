@@ -1,18 +1,22 @@
-"""Triton kernels for the decode-time skinny GEMMs: y = x @ W.T with few rows (1 <= M <= MAX_M),
-and the fused gate/up projection + SiLU (to GATED_MAX_M rows).
+"""Triton kernels for the decode-time skinny GEMMs: y = x @ W.T with few rows (1 <= M <= MAX_M
+from the heuristic config, to BATCH_MAX_M rows where the tuned table has an entry), and the
+fused gate/up projection + SiLU.
 
 Why: a small-batch decode step is bound by memory bandwidth, not math — every projection reads
 its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels for such
 shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
-The caller keeps cuBLAS for M > MAX_M (and everywhere off CUDA); like triton_ops this module is
+Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, and only where
+the tuned table says it beats cuBLAS: at 128 rows the qkv/o projections are small enough that
+cuBLAS's tile grid leaves most SMs idle, and split-K fills them. The caller keeps cuBLAS
+elsewhere (and everywhere off CUDA); like triton_ops this module is
 imported lazily on first GPU use, so a CPU test can turn on TRITON_INTERPRET=1 first.
 
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
     accumulator of elementwise products over the K loop, reduced along K once at the end.
-  * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; for the
-    gated variant also decode batches up to GATED_MAX_M rows, tiled along M (`Config.block_m`).
+  * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; also decode
+    batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`).
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
 and a second kernel sums them in a fixed order: deterministic, no atomics.
 `skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads
@@ -43,8 +47,8 @@ from triton.language.extra import libdevice
 
 from rollout.layers.triton_ops import _is_compiled, _round
 
-MAX_M = 16  # skinny_linear: above this the caller uses cuBLAS
-GATED_MAX_M = 256  # skinny_gate_up_silu: the dot kernel tiles M too (decode batches to 256)
+MAX_M = 16  # rows served without a tuned entry (the heuristic config)
+BATCH_MAX_M = 256  # rows served at all: above MAX_M the dot kernel tiles M (decode batches)
 FMA_MAX_M = 16
 DOT_M = 16  # rows x is padded to in the dot kernel (tl.dot needs >= 16)
 MAX_SPLIT_K = 16
@@ -247,7 +251,7 @@ def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
         return tuned
     rows = N // 2 if gated else N  # output columns; a gated program loads 2·block_n rows
     halves = 2 if gated else 1
-    if M > DOT_M:  # a decode batch (gated only): 64-row tiles on the tensor cores
+    if M > DOT_M:  # a decode batch: 64-row tiles on the tensor cores
         return Config(64, 64, 1, 4, True, 3, 64)
     if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs
         block_k = _pow2_divisor(K, 512)
@@ -285,11 +289,10 @@ def _pow2_divisor(K: int, cap: int) -> int:
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """True when skinny_linear(x, weight) (skinny_gate_up_silu when `gated`) can run these
     tensors and the tuned table does not say cuBLAS is faster for this shape."""
-    max_m = GATED_MAX_M if gated else MAX_M
     ok = (x.is_cuda and weight.is_cuda and x.device == weight.device
           and x.dtype == weight.dtype
           and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-          and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= max_m
+          and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= BATCH_MAX_M
           and x.shape[1] == weight.shape[1] and x.shape[1] >= 1 and weight.shape[0] >= 1
           and x.stride(1) == 1 and weight.is_contiguous())
     if not ok:
@@ -300,13 +303,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     return key not in _TUNED or _TUNED[key] is not None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_M) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
             or x.dtype != weight.dtype or x.device != weight.device):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
                          f"{weight.dtype} must be [M, K] and [N, K] of one dtype and device")
-    if not 1 <= x.shape[0] <= max_m:
-        raise ValueError(f"{x.shape[0]} rows: this kernel takes 1 to {max_m}")
+    if not 1 <= x.shape[0] <= BATCH_MAX_M:
+        raise ValueError(f"{x.shape[0]} rows: this kernel takes 1 to {BATCH_MAX_M}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
@@ -347,7 +350,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   config: Optional[Config] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K] (1 <= M <= MAX_M, rows contiguous), weight [N, K]
+    """F.linear(x, weight, bias) for x [M, K] (1 <= M <= BATCH_MAX_M, rows contiguous), weight [N, K]
     contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
     `config` overrides the launch config (benchmarks and tests)."""
     _check(x, weight)
@@ -362,12 +365,12 @@ def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: in
     """silu_and_mul(F.linear(x, weight_gate_up)) without writing the [M, 2·inter] intermediate:
     weight [2·inter, K] with gate rows [0, inter) and up rows [inter, 2·inter); returns
     silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype).
-    Up to GATED_MAX_M rows (the dot kernel tiles M above 16)."""
-    _check(x, weight_gate_up, GATED_MAX_M)
+    Up to BATCH_MAX_M rows (the dot kernel tiles M above 16)."""
+    _check(x, weight_gate_up)
     if weight_gate_up.shape[0] != 2 * inter or inter < 1:
         raise ValueError(f"weight {tuple(weight_gate_up.shape)} is not [2·{inter}, K]")
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     return _launch(x, weight_gate_up, None, out, True, config)
 
 
-__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M", "GATED_MAX_M"]
+__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M", "BATCH_MAX_M"]
