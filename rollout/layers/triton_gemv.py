@@ -6,11 +6,12 @@ Why: a small-batch decode step is bound by memory bandwidth, not math — every 
 its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels for such
 shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
-Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, and only where
-the tuned table says it beats cuBLAS: at 128 rows the qkv/o projections are small enough that
-cuBLAS's tile grid leaves most SMs idle, and split-K fills them. The caller keeps cuBLAS
-elsewhere (and everywhere off CUDA); like triton_ops this module is
-imported lazily on first GPU use, so a CPU test can turn on TRITON_INTERPRET=1 first.
+Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
+tuned table says it beats cuBLAS (on an H200: the fused gate/up + SiLU at 33-128 rows; never the
+plain projections, where cuBLAS's ~5-6 µs for qkv/o is launch and latency, not bandwidth, and
+split-K did not beat it). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
+TRITON_INTERPRET=1 first.
 
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
@@ -209,9 +210,9 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # rows, 2·I for the gated variant). M is looked up rounded up to a power of two.
 # None: cuBLAS (+ the separate SiLU kernel, when gated) measured faster, so `supports` says no.
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
-# shapes: one row (the engine's only size for the plain GEMMs, see linear.SKINNY_MAX_ROWS) and,
-# for the fused gate/up + SiLU, decode batches (used only where an entry here says the kernel
-# wins: keys 64 and 128, i.e. batches of 33-128 rows); other shapes take the heuristic.
+# shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
+# the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for the plain
+# projections none); other shapes take the heuristic.
 # µs per call in a CUDA graph, weights from HBM.
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (1, 2048, 1536, False): Config(4, 512, 1, 4, False, 3),  # qkv: 4.0 µs, cuBLAS 5.2
@@ -223,6 +224,20 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3),  # down: 9.3 µs, cuBLAS 11.4
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
+    # Plain projections at decode batches (`gemv-batch` stage, fourth session): cuBLAS wins
+    # every one; best M-tiled (split-K) config vs cuBLAS, µs
+    (32, 2048, 1536, False): None,  # qkv 6.5 vs 5.3
+    (64, 2048, 1536, False): None,  # 6.5 vs 5.8
+    (128, 2048, 1536, False): None,  # 7.5 vs 6.1
+    (256, 2048, 1536, False): None,  # 8.3 vs 6.1
+    (32, 1536, 1536, False): None,  # o 6.3 vs 5.3
+    (64, 1536, 1536, False): None,  # 6.2 vs 5.4
+    (128, 1536, 1536, False): None,  # 7.0 vs 5.6
+    (256, 1536, 1536, False): None,  # 7.8 vs 5.9
+    (32, 1536, 8960, False): None,  # down 12.1 vs 11.6
+    (64, 1536, 8960, False): None,  # 12.8 vs 11.6
+    (128, 1536, 8960, False): None,  # 15.1 vs 12.0
+    (256, 1536, 8960, False): None,  # 25.6 vs 17.7
 }
 
 
