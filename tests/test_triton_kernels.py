@@ -92,6 +92,23 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     assert (out - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_decode_kernel_launch_configs_match_reference(block_n):
+    """Another keys-per-block (and the warps/stages a tuned table may pick): the same function;
+    scratch larger than the splits used, as the backend allocates it."""
+    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=16)
+    q = torch.randn(len(SEQ_LENS), 4, 16, device=DEV)
+    scratch = decode.decode_buffers(len(SEQ_LENS), 4, 16, 8, DEV)
+    cfg = decode.DecodeConfig(splits=3, block_n=block_n, num_warps=2, num_stages=2)
+    out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
+                           0.25, buffers=scratch, config=cfg)
+    expected = torch.cat([reference(q[b:b + 1], p, b, 0.25) for b in range(len(SEQ_LENS))])
+    assert (out - expected).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="splits"):
+        decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
+                         0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV), config=cfg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_kernel_equals_indexed_assignment(dtype):
     """The fused KV store writes exactly what `buf[loc] = x.to(buf.dtype)` writes, from strided

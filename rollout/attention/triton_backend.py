@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels.decode import decode_attention, decode_buffers
+from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
+                                                      decode_launch_config)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class TritonBackend(AttentionBackend):
         self.num_heads = mc.num_attention_heads // runner.tp.size
         self.head_dim = mc.head_dim
         self.device = runner.device
-        # At most this many KV splits (the scratch's size); `kv_splits` picks per batch. The
+        # At most this many KV splits (the scratch's size); `decode_config` picks per batch. The
         # interpreter runs one program at a time, where extra splits only cost time.
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
         self.meta: DecodeMetadata | ExtendMetadata | None = None
@@ -80,17 +81,15 @@ class TritonBackend(AttentionBackend):
         m, pool = self.meta, fb.token_to_kv_pool
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
-            m.req_pool_indices, m.seq_lens, layer.scaling, self.kv_splits(q.shape[0]),
-            buffers=(m.part_o, m.part_lse))
+            m.req_pool_indices, m.seq_lens, layer.scaling,
+            buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]))
 
-    def kv_splits(self, batch: int) -> int:
-        """Splits of each request's keys: many when few requests must fill the GPU, few when the
-        batch alone does (then more splits only add programs and merge work). A function of
-        coarse batch ranges whose edges (16, 64) are default CUDA-graph sizes, so a batch and the graph
-        it is padded to always split alike (graph replay == eager, bit for bit)."""
-        if self.device.type != "cuda" or batch <= 16:
-            return self.num_kv_splits
-        return min(self.num_kv_splits, 4 if batch <= 64 else 2)
+    def decode_config(self, batch: int) -> DecodeConfig:
+        """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA
+        the interpreter's: every split at once, launch parameters unused."""
+        if self.device.type != "cuda":
+            return DecodeConfig(self.num_kv_splits)
+        return decode_launch_config(batch, self.num_kv_splits)
 
     # ---- CUDA graphs (decode only) ----------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

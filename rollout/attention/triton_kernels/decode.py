@@ -10,14 +10,25 @@ the launch grid depends on the batch size only (what a CUDA graph needs).
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
 
-BLOCK_N = 32  # keys per inner step
+BLOCK_N = 32  # keys per inner step (default)
 MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
+
+
+class DecodeConfig(NamedTuple):
+    """Launch parameters of the split (stage 1) kernel. Any value gives the same function; the
+    rounding can differ with `block_n` (the online softmax's blocks) and `splits`."""
+    splits: int = 8
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -102,6 +113,16 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
+def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
+    """The launch config for a decode batch on a GPU. Splits: many when few requests must fill
+    the GPU, few when the batch alone does (then more splits only add programs and merge work).
+    A function of coarse batch ranges whose edges (16, 64) are default CUDA-graph sizes, so a
+    batch and the graph it is padded to launch alike (graph replay == eager, bit for bit)."""
+    if batch <= 16:
+        return DecodeConfig(max_splits)
+    return DecodeConfig(min(max_splits, 4 if batch <= 64 else 2))
+
+
 def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scratch for the partial results: out [batch, heads, splits, head_dim] and lse
@@ -115,16 +136,22 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, num_splits: int = 8,
                      buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
-    [batch, heads, head_dim] in q's dtype. `buffers` from `decode_buffers` (made here if None)."""
+    [batch, heads, head_dim] in q's dtype. `buffers` from `decode_buffers` (made here if None),
+    with room for the splits. `config` (benchmarks, tuned tables) overrides `num_splits`."""
     group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
+    cfg = config or DecodeConfig(num_splits)
+    num_splits = cfg.splits
     part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
+    if part_o.shape[2] < num_splits:
+        raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
     block_d = block_dmodel(head_dim)
     _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale,
@@ -132,8 +159,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=4)
+        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     _decode_reduce_kernel[(batch, heads)](
         part_o, part_lse, seq_lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),

@@ -1,0 +1,133 @@
+"""Decode attention on one GPU: rollout/attention/triton_kernels/decode.py's launch configs
+(KV splits, keys per block, warps, pipeline stages) swept at the decode benchmark's shape
+(Qwen2-1.5B: 12 query heads, 2 KV heads, head_dim 128, bf16) for batches 1, 32 and 128 with
+the contexts of a 128 + 128 token run (129-256 keys), over a token-granular paged pool whose
+slots are scattered as the allocator leaves them.
+
+Each time is a CUDA graph of one call per layer (28), each layer's KV in its own buffers (more
+than the L2 holds at batch 128), replayed and divided. Every config's output is checked against
+torch (softmax attention in fp32 on the gathered keys): relative error (norm of the difference
+over the norm) <= 1e-2. Prints per batch the default (the backend's current choice) and the
+best configs.
+
+  python benchmarks/gpu_attention.py --out $OUT/attention.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+import traceback
+
+import torch
+
+from benchmarks.cuda_timing import replay_seconds
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
+BATCHES = [1, 32, 128]
+
+
+def make_case(batch: int, gen: torch.Generator) -> dict:
+    lens = torch.randint(129, 257, (batch,), generator=gen) if batch > 1 else torch.tensor([192])
+    max_len, total = 256, int(lens.sum())
+    slots = torch.randperm(total + 1, generator=gen)[:total] + 1  # slot 0: the dummy
+    req_to_token = torch.zeros(batch, max_len, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens.tolist()):
+        req_to_token[b, :n] = slots[start:start + n].to(torch.int32)
+        start += n
+    dev = "cuda"
+    pool = (total + 1, KV_HEADS, HEAD_DIM)
+    ks = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
+    vs = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dev, torch.bfloat16)
+    return dict(lens=lens.to(dev), req_to_token=req_to_token.to(dev), ks=ks, vs=vs, q=q,
+                rows=torch.arange(batch, device=dev), lens_cpu=lens.tolist())
+
+
+def reference(case: dict, layer: int, scale: float) -> torch.Tensor:
+    q = case["q"].float()
+    out = torch.empty_like(q)
+    group = HEADS // KV_HEADS
+    for b, n in enumerate(case["lens_cpu"]):
+        slots = case["req_to_token"][b, :n].long()
+        k = case["ks"][layer][slots].float().repeat_interleave(group, 1)  # [n, H, D]
+        v = case["vs"][layer][slots].float().repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, -1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--budget-s", type=float, default=300.0)
+    args = p.parse_args()
+    from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
+                                                          decode_buffers, decode_launch_config)
+    deadline = time.perf_counter() + args.budget_s
+    scale = HEAD_DIM ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "rows": [], "errors": []}
+    grid = [DecodeConfig(s, bn, w, st) for s, bn, w, st in
+            itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8), (2, 3, 4))]
+    for batch in BATCHES:
+        case = make_case(batch, gen)
+        ref = reference(case, 0, scale)
+        bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda")
+        out = torch.empty_like(case["q"])
+        current = decode_launch_config(batch)
+        configs = [current] + [c for c in grid if c != current]
+        row = {"batch": batch, "lens_mean": sum(case["lens_cpu"]) / batch, "tried": []}
+
+        def run(cfg, layer):
+            return decode_attention(case["q"], case["ks"][layer], case["vs"][layer],
+                                    case["req_to_token"], case["rows"], case["lens"], scale,
+                                    buffers=bufs, out=out, config=cfg)
+
+        for j, cfg in enumerate(configs):
+            if j > 0 and time.perf_counter() > deadline:
+                row["cut_by_budget"] = True
+                break
+            entry = {"config": cfg._asdict(), "current": j == 0}
+            try:
+                entry["rel_err"] = rel_err(run(cfg, 0), ref)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for layer in range(LAYERS):
+                        run(cfg, layer)
+                entry["us_per_call"] = replay_seconds(graph, 10) / LAYERS * 1e6
+                del graph
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["tried"].append(entry)
+        ok = [t for t in row["tried"] if "us_per_call" in t and t["rel_err"] <= 1e-2]
+        bad = [t for t in row["tried"] if "rel_err" in t and t["rel_err"] > 1e-2]
+        row["best"] = sorted(ok, key=lambda t: t["us_per_call"])[:8]
+        row["wrong"] = len(bad)
+        result["rows"].append(row)
+        cur = row["tried"][0]
+        print(f"batch {batch} (mean {row['lens_mean']:.0f} keys): current {tuple(cur['config'].values())} "
+              f"{cur.get('us_per_call', float('nan')):.2f} µs, err {cur.get('rel_err', float('nan')):.1e}; "
+              f"{len(row['tried'])} tried, {row['wrong']} wrong")
+        for t in row["best"]:
+            print(f"   {t['us_per_call']:6.2f} µs  {tuple(t['config'].values())}  err {t['rel_err']:.1e}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        raise
