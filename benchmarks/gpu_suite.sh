@@ -27,7 +27,8 @@ for stage in "$@"; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
     smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py \
-              tests/test_overlap_schedule.py tests/test_triton_gemv.py tests/test_triton_sampler.py -p no:cacheprovider ;;
+              tests/test_overlap_schedule.py tests/test_triton_gemv.py tests/test_triton_sampler.py \
+              tests/test_triton_pdl.py -p no:cacheprovider ;;
     # the fused Triton sampler on and off (ROLLOUT_FUSED_SAMPLER), engine alone
     sampler-ab) run sampler_ab 300 bash -c 'for s in 1 0; do ROLLOUT_FUSED_SAMPLER=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
@@ -45,6 +46,10 @@ for stage in "$@"; do
               else unset ROLLOUT_SKINNY_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --skip-hf --out $OUT/batch_$t.json; done' ;;
+    # programmatic dependent launch on and off (ROLLOUT_PDL), engine alone
+    pdl-ab) run pdl_ab 540 bash -c 'for s in 1 0; do ROLLOUT_PDL=$s python3 benchmarks/decode_throughput.py \
+              --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
+              --new-tokens 128 --repeats 2 --skip-hf --out $OUT/pdl_$s.json; done' ;;
     gemv-test) run gemv_test 240 python3 -m pytest -q -m gpu tests/test_triton_gemv.py -p no:cacheprovider ;;
     # the skinny-GEMM kernels on and off (ROLLOUT_SKINNY_GEMM), engine alone, small batches
     skinny-ab) [ -f "$OUT/gemv_configs.json" ] && export ROLLOUT_SKINNY_CONFIGS=$OUT/gemv_configs.json

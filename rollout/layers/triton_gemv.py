@@ -47,6 +47,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from rollout.layers.triton_ops import _is_compiled, _round
+from rollout.triton_pdl import launch_options, pdl_wait
 
 MAX_M = 16  # rows served without a tuned entry (the heuristic config)
 BATCH_MAX_M = 256  # rows served at all: above MAX_M the dot kernel tiles M (decode batches)
@@ -106,7 +107,9 @@ def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +147,9 @@ def _gemv_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # M blocks: decode batches above 16 rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,8 +184,10 @@ def _gemv_dot_kernel(
 def _split_k_reduce_kernel(
     P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Sums the [SPLIT, M, N(·2)] fp32 partials in split order (deterministic); the epilogue."""
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -344,7 +351,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
             out.stride(0))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+                **launch_options())
     if cfg.dot:
         grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
         _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
@@ -359,7 +367,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
         _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
             partials, bias_arg, out, M, N, out.stride(0), SPLIT=split, BLOCK=block,
             HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
-            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False)
+            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False, **launch_options())
     return out
 
 

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rollout.triton_pdl import launch_options, pdl_wait
+
 MAX_HIDDEN = 16384  # one program holds a whole row
 
 
@@ -60,7 +62,9 @@ def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut, eps, inv_n,
     stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, COMPILED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0).to(tl.int64)  # rows are [outer, inner] pairs (inner: a head, or 1)
     outer, inner = row // INNER, row % INNER
     offs = tl.arange(0, BLOCK)
@@ -107,7 +111,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
         eps, 1.0 / n, x3.stride(0), x3.stride(1), residual.stride(0) if has_res else 0,
         o3.stride(0), o3.stride(1), x3.shape[1],
         N=n, BLOCK=block, HAS_RESIDUAL=has_res, COMPILED=_COMPILED,
-        num_warps=_num_warps(block), enable_fp_fusion=False)
+        num_warps=_num_warps(block), enable_fp_fusion=False, **launch_options())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -141,7 +145,9 @@ SILU_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, COMPILED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -168,7 +174,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), inter, BLOCK=block, COMPILED=_COMPILED,
-        num_warps=_num_warps(block), enable_fp_fusion=False)
+        num_warps=_num_warps(block), enable_fp_fusion=False, **launch_options())
     return out
 
 
@@ -177,7 +183,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rotary_kernel(
     X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -213,7 +221,7 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads,
         HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
-        num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False)
+        num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
+from rollout.triton_pdl import launch_options, pdl_wait
 
 BLOCK_N = 32  # keys per inner step (default)
 MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
@@ -38,7 +39,9 @@ def _decode_partial_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,7 +88,9 @@ def _decode_reduce_kernel(
     PartO, PartLse, SeqLens, O,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -166,10 +171,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **launch_options())
     _decode_reduce_kernel[(batch, heads)](
         part_o, part_lse, seq_lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **launch_options())
     return out

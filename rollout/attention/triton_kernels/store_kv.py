@@ -10,10 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.triton_pdl import launch_options, pdl_wait
+
 
 @triton.jit
 def _store_kv_kernel(K, V, Loc, KBuf, VBuf, stride_k, stride_v, stride_kb, stride_vb,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -38,4 +41,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buffer: torc
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(tokens,)](k, v, loc, k_buffer, v_buffer, k.stride(0), v.stride(0),
                                 k_buffer.stride(0), v_buffer.stride(0), ROW=row,
-                                BLOCK=triton.next_power_of_2(row), num_warps=1 if row <= 256 else 4)
+                                BLOCK=triton.next_power_of_2(row), num_warps=1 if row <= 256 else 4,
+                                **launch_options())
