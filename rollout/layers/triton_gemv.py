@@ -102,6 +102,32 @@ def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
 
 
+@triton.jit
+def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """The FMA kernel's weight tile at K offset k (and the up half's when gated; else zeros)."""
+    if EVEN_K:
+        w = tl.load(w_ptr + k).to(tl.float32)
+        if GATED:
+            w_up = tl.load(wu_ptr + k).to(tl.float32)
+        else:
+            w_up = tl.zeros_like(w)
+    else:
+        k_ok = (offs_k + k < K)[None, None, :]
+        w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        if GATED:
+            w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            w_up = tl.zeros_like(w)
+    return w, w_up
+
+
+@triton.jit
+def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + k).to(tl.float32)
+    return tl.load(x_ptr + k, mask=(offs_k + k < K)[None, None, :], other=0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
 def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
@@ -109,7 +135,6 @@ def _gemv_fma_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,20 +145,16 @@ def _gemv_fma_kernel(
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k).to(tl.float32)
-            w = tl.load(w_ptr + k).to(tl.float32)
-            if GATED:
-                w_up = tl.load(wu_ptr + k).to(tl.float32)
-        else:
-            k_ok = (offs_k + k < K)[None, None, :]
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            if GATED:
-                w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    # The weights are no earlier kernel's output: under PDL the first K chunk streams in while
+    # the previous kernel finishes; x (its output) only after the wait.
+    w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
+    acc = x * w
+    acc_up = x * w_up
+    for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
+        w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
+        x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
         acc += x * w
         if GATED:
             acc_up += x * w_up
