@@ -162,14 +162,6 @@ def _gemv_fma_kernel(
               stride_ym, pid_k, HAS_BIAS, GATED, SPLIT, COMPILED)
 
 
-@triton.jit
-def _dot_tile(ptr, offs_k, k, K, EVEN_K: tl.constexpr):
-    """The dot kernel's [rows, BLOCK_K] tile at K offset k (x's or a weight's)."""
-    if EVEN_K:
-        return tl.load(ptr + k)
-    return tl.load(ptr + k, mask=(offs_k + k < K)[None, :], other=0.0)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
@@ -178,6 +170,7 @@ def _gemv_dot_kernel(
     PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # M blocks: decode batches above 16 rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,22 +182,21 @@ def _gemv_dot_kernel(
     wu_ptr = W_UP + rows_n[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # as in the FMA kernel: the first weight chunk loads before the PDL wait, x after it
-    w = _dot_tile(w_ptr, offs_k, 0, K, EVEN_K)
-    if GATED:
-        w_up = _dot_tile(wu_ptr, offs_k, 0, K, EVEN_K)
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    x = _dot_tile(x_ptr, offs_k, 0, K, EVEN_K)
-    acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    if GATED:
-        acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
-    for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
-        x = _dot_tile(x_ptr, offs_k, k, K, EVEN_K)
-        w = _dot_tile(w_ptr, offs_k, k, K, EVEN_K)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+            w = tl.load(w_ptr + k)
+            if GATED:
+                w_up = tl.load(wu_ptr + k)
+        else:
+            k_ok = (offs_k + k < K)[None, :]
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptr + k, mask=k_ok, other=0.0)
+            if GATED:
+                w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
         if GATED:
-            acc_up = tl.dot(x, tl.trans(_dot_tile(wu_ptr, offs_k, k, K, EVEN_K)), acc_up,
-                            input_precision=PREC)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
               HAS_BIAS, GATED, SPLIT, COMPILED)
 
