@@ -49,7 +49,8 @@ def make_case(batch: int, gen: torch.Generator) -> dict:
 def reference(case: dict, layer: int, scale: float) -> torch.Tensor:
     """On the host in float64 (the reference needs no GPU library)."""
     q = case["q"].cpu().double()
-    ks, vs, r2t = case["ks"][layer].cpu().double(), case["vs"][layer].cpu().double(), case["req_to_token"].cpu()
+    ks, vs = case["ks"][layer].cpu().double(), case["vs"][layer].cpu().double()
+    r2t = case["req_to_token"].cpu()
     out = torch.empty_like(q)
     group = HEADS // KV_HEADS
     for b, n in enumerate(case["lens_cpu"]):

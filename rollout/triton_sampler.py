@@ -20,11 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.triton_pdl import launch_options, pdl_wait
+
 CHUNK = 2048  # tokens per program of kernels 1 and 2
 
 
 @triton.jit
-def _chunk_max(Logits, stride_row, Temps, CMax, CIdx, V, C, CHUNK: tl.constexpr):
+def _chunk_max(Logits, stride_row, Temps, CMax, CIdx, V, C, CHUNK: tl.constexpr,
+               USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row, c = tl.program_id(0), tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf"))
@@ -42,7 +46,9 @@ def _row_max(CMax, row, C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+               USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row, c = tl.program_id(0), tl.program_id(1)
     m = _row_max(CMax, row, C, BLOCK_C)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -53,7 +59,9 @@ def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr,
 
 @triton.jit
 def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, V, C,
-          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+          USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0)
     t = tl.load(Temps + row)
     cs = tl.arange(0, BLOCK_C)
@@ -96,11 +104,11 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     stride = logits.stride(0)
     _chunk_max[(rows, chunks)](logits, stride, temperatures, cmax, cidx, vocab, chunks, CHUNK=CHUNK,
-                               num_warps=8)
+                               num_warps=8, **launch_options())
     _chunk_sum[(rows, chunks)](logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK,
-                               BLOCK_C=block_c, num_warps=8)
+                               BLOCK_C=block_c, num_warps=8, **launch_options())
     _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens, logprobs,
-                   vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8)
+                   vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8, **launch_options())
     return tokens, logprobs
 
 

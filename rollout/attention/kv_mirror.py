@@ -55,8 +55,9 @@ class DecodeKVMirror:
             self.reset()
             return False
         current = self._k[0] if self._k else None
-        append = (self._rows == rows and current is not None and self._pool_ptr == k_buffer.data_ptr()
-                  and max_len <= current.shape[2] and all(n == p + 1 for n, p in zip(lens, self._lens)))
+        append = (self._rows == rows and current is not None
+                  and self._pool_ptr == k_buffer.data_ptr() and max_len <= current.shape[2]
+                  and all(n == p + 1 for n, p in zip(lens, self._lens)))
         if append:
             cap = current.shape[2]
             first = torch.arange(batch * kv_heads).mul_(cap).view(batch, kv_heads)
@@ -86,8 +87,9 @@ class DecodeKVMirror:
         kv_heads, head_dim = mk.shape[1], mk.shape[3]
         if p.rebuild:
             shape = (p.batch, p.max_len, kv_heads, head_dim)
-            mk[:, :, :p.max_len].copy_(k_buffer.index_select(0, kv_slots).view(shape).transpose(1, 2))
-            mv[:, :, :p.max_len].copy_(v_buffer.index_select(0, kv_slots).view(shape).transpose(1, 2))
+            for mirror, pool in ((mk, k_buffer), (mv, v_buffer)):
+                gathered = pool.index_select(0, kv_slots).view(shape)
+                mirror[:, :, :p.max_len].copy_(gathered.transpose(1, 2))
         else:
             rows = p.batch * kv_heads
             mk.view(-1, head_dim).index_copy_(0, p.append_rows, k.reshape(rows, head_dim))
@@ -108,7 +110,8 @@ class DecodeKVMirror:
             return True
         cap = -(-(max_len + HEADROOM) // HEADROOM) * HEADROOM
         shape = (batch, kv_heads, cap, head_dim)
-        if 2 * num_layers * batch * kv_heads * cap * head_dim * like.element_size() > MAX_MIRROR_BYTES:
+        nbytes = 2 * num_layers * batch * kv_heads * cap * head_dim * like.element_size()
+        if nbytes > MAX_MIRROR_BYTES:
             return False
         self._k = [like.new_zeros(shape) for _ in range(num_layers)]
         self._v = [like.new_zeros(shape) for _ in range(num_layers)]
