@@ -17,9 +17,11 @@ from typing import Optional
 import torch
 
 # Mirrors larger than this (all layers, K and V) are not kept: attention gathers as before.
-MAX_MIRROR_BYTES = 256 << 20
-# Free positions allocated past the longest request at a rebuild, so that the next steps append.
-HEADROOM = 64
+MAX_MIRROR_BYTES = 64 << 20
+# Positions allocated at a rebuild: the longest request's, plus a quarter and 16 more, rounded up
+# to 16, so that the next steps append (few for short requests, whose rebuilds are cheap).
+def capacity(max_len: int) -> int:
+    return -(-(max_len + max_len // 4 + 16) // 16) * 16
 
 
 @dataclass
@@ -50,7 +52,7 @@ class DecodeKVMirror:
         mirror reset) when the mirror would exceed MAX_MIRROR_BYTES: the caller gathers."""
         batch, max_len = len(rows), max(lens)
         kv_heads, head_dim = k_buffer.shape[1:]
-        if (2 * num_layers * batch * kv_heads * (max_len + HEADROOM) * head_dim
+        if (2 * num_layers * batch * kv_heads * capacity(max_len) * head_dim
                 * k_buffer.element_size() > MAX_MIRROR_BYTES):
             self.reset()
             return False
@@ -106,9 +108,9 @@ class DecodeKVMirror:
         old = self._k[0] if self._k else None
         if (old is not None and len(self._k) == num_layers and old.shape[0] >= batch
                 and old.shape[1] == kv_heads and old.shape[3] == head_dim and old.dtype == like.dtype
-                and max_len + HEADROOM // 4 <= old.shape[2] <= 2 * (max_len + HEADROOM)):
+                and max_len + 4 <= old.shape[2] <= 2 * capacity(max_len)):
             return True
-        cap = -(-(max_len + HEADROOM) // HEADROOM) * HEADROOM
+        cap = capacity(max_len)
         shape = (batch, kv_heads, cap, head_dim)
         nbytes = 2 * num_layers * batch * kv_heads * cap * head_dim * like.element_size()
         if nbytes > MAX_MIRROR_BYTES:
