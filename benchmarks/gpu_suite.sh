@@ -50,7 +50,8 @@ for stage in "$@"; do
     pdl-ab) run pdl_ab 540 bash -c 'for s in 1 0; do ROLLOUT_PDL=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
               --new-tokens 128 --repeats 4 --skip-hf --out $OUT/pdl_$s.json; done' ;;
-    # batch 1 with a skinny-GEMM table override (CONFIGS=file) and without, engine alone
+    # batch 1 with a skinny-GEMM table override (CONFIGS=file, as written by gpu_gemv.py
+    # --configs-out) and without, engine alone
     table-ab) run table_ab 400 bash -c 'for t in with without; do \
               if [ $t = with ]; then export ROLLOUT_SKINNY_CONFIGS=$CONFIGS; else unset ROLLOUT_SKINNY_CONFIGS; fi; \
               python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 \
