@@ -100,9 +100,8 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
                             splits.add(s)
                             if tiles * s >= g.NUM_SMS_H200:
                                 break
-                    for s in sorted(splits)[-2:] if len(splits) > 1 else [1]:
+                    for s in sorted({1, *sorted(splits)[-2:]}):  # no split, and the fullest two
                         out.append(Config(bn, bk, s, warps, True, 3, bm))
-                    out.append(Config(bn, bk, 1, warps, True, 3, bm))
     elif M > g.MAX_M:  # decode batches, fused gate/up + SiLU: M tiles on the tensor cores
         for bm in (64, 128):
             for bn in (32, 64, 128):

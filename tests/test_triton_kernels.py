@@ -87,7 +87,8 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
         len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
     out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
-                           torch.tensor(SEQ_LENS, device=DEV), scale, num_splits, buffers=scratch)
+                           torch.tensor(SEQ_LENS, device=DEV), scale, decode.DecodeConfig(num_splits),
+                           buffers=scratch)
     expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
     assert (out - expected).abs().max().item() <= 1e-4
 

@@ -144,21 +144,20 @@ def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float, num_splits: int = 8,
+                     seq_lens: torch.Tensor, sm_scale: float,
+                     config: DecodeConfig = DecodeConfig(),
                      buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out: torch.Tensor | None = None,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
-    [batch, heads, head_dim] in q's dtype. `buffers` from `decode_buffers` (made here if None),
-    with room for the splits. `config` (benchmarks, tuned tables) overrides `num_splits`."""
+    [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
+    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits."""
     group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
-    cfg = config or DecodeConfig(num_splits)
-    num_splits = cfg.splits
+    num_splits = config.splits
     part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
@@ -169,9 +168,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options())
+        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options())
     _decode_reduce_kernel[(batch, heads)](
         part_o, part_lse, seq_lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
