@@ -3,10 +3,12 @@
 The paged pool holds each token's K and V at a slot of its own, so attention over it starts
 with a gather of every cached key of the batch, each layer and step: at 64 requests that copy
 cost as much as the attention matmuls. Decode batches, though, repeat: the same requests in the
-same order, each one token longer. `DecodeKVMirror` keeps, per layer, the batch's K and V as
-[batch, kv_heads, capacity, head_dim] (head-major, so each KV head's keys are one matrix for
-`bmm`) and on such a step writes just the new token of each request; any other step gathers
-the whole batch from the pool again. The pool stays the owner of the KV: the mirror is a copy
+same order, each one token longer. `DecodeKVMirror` keeps, per layer, the batch's keys as
+[batch, kv_heads, head_dim, capacity] and values as [batch, kv_heads, capacity, head_dim]
+(head-major, so each KV head's keys are one matrix for `bmm`; the keys already transposed,
+because a score `bmm` that reads Kᵀ in place is ~30% slower here when K comes from memory, as
+it does inside a decode step) and on such a step writes just the new token of each request;
+any other step gathers the whole batch from the pool again. The pool stays the owner of the KV: the mirror is a copy
 derived from it, rebuilt whenever it cannot prove it is current (an extend step, a change of
 requests or order, a length that is not the last one plus one, a pool reallocated)."""
 from __future__ import annotations
@@ -29,7 +31,8 @@ class _StepPlan:
     rebuild: bool  # gather the whole batch from the pool (else: append the new token)
     batch: int
     max_len: int
-    append_rows: Optional[torch.Tensor]  # [batch * kv_heads] rows of the flat mirror to write
+    append_rows: Optional[torch.Tensor]  # [batch * kv_heads] rows of the flat V mirror to write
+    append_keys: Optional[torch.Tensor]  # [batch * kv_heads * head_dim] elements of the flat K mirror
 
 
 class DecodeKVMirror:
@@ -58,19 +61,22 @@ class DecodeKVMirror:
             return False
         current = self._k[0] if self._k else None
         append = (self._rows == rows and current is not None
-                  and self._pool_ptr == k_buffer.data_ptr() and max_len <= current.shape[2]
+                  and self._pool_ptr == k_buffer.data_ptr() and max_len <= current.shape[3]
                   and all(n == p + 1 for n, p in zip(lens, self._lens)))
         if append:
-            cap = current.shape[2]
-            first = torch.arange(batch * kv_heads).mul_(cap).view(batch, kv_heads)
-            last = torch.tensor(lens).sub_(1).view(batch, 1)
-            self._plan = _StepPlan(False, batch, max_len, first.add_(last).view(-1))
+            cap = current.shape[3]
+            last = torch.tensor(lens).sub_(1)
+            value_rows = torch.arange(batch * kv_heads).mul_(cap).view(batch, -1)
+            key_elems = torch.arange(batch * kv_heads * head_dim).mul_(cap).view(batch, -1)
+            last = last.view(batch, 1)
+            self._plan = _StepPlan(False, batch, max_len, value_rows.add_(last).view(-1),
+                                   key_elems.add_(last).view(-1))
             self.appended_steps += 1
         else:
             if not self._ensure_buffers(num_layers, batch, max_len, k_buffer):
                 self.reset()
                 return False
-            self._plan = _StepPlan(True, batch, max_len, None)
+            self._plan = _StepPlan(True, batch, max_len, None, None)
             self.rebuilt_steps += 1
         self._rows, self._lens, self._pool_ptr = list(rows), list(lens), k_buffer.data_ptr()
         return True
@@ -81,23 +87,24 @@ class DecodeKVMirror:
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
                v_buffer: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K and V for the step, as [batch * kv_heads, max_len, head_dim] views,
-        after the step's k, v [batch, kv_heads, head_dim] were written to the pool. `kv_slots`:
-        the pool slot of every (request, key position), [batch * max_len], padding at slot 0."""
+        """This layer's keys as [batch * kv_heads, head_dim, max_len] and values as
+        [batch * kv_heads, max_len, head_dim] (views), after the step's k, v [batch, kv_heads,
+        head_dim] were written to the pool. `kv_slots`: the pool slot of every (request, key
+        position), [batch * max_len], padding at slot 0."""
         p = self._plan
         mk, mv = self._k[layer_id][:p.batch], self._v[layer_id][:p.batch]
-        kv_heads, head_dim = mk.shape[1], mk.shape[3]
+        kv_heads, head_dim = mv.shape[1], mv.shape[3]
         if p.rebuild:
             shape = (p.batch, p.max_len, kv_heads, head_dim)
-            for mirror, pool in ((mk, k_buffer), (mv, v_buffer)):
-                gathered = pool.index_select(0, kv_slots).view(shape)
-                mirror[:, :, :p.max_len].copy_(gathered.transpose(1, 2))
+            mk[..., :p.max_len].copy_(k_buffer.index_select(0, kv_slots).view(shape).permute(0, 2, 3, 1))
+            mv[:, :, :p.max_len].copy_(v_buffer.index_select(0, kv_slots).view(shape).transpose(1, 2))
         else:
             rows = p.batch * kv_heads
-            mk.view(-1, head_dim).index_copy_(0, p.append_rows, k.reshape(rows, head_dim))
+            mk.view(-1).index_copy_(0, p.append_keys, k.reshape(-1))
             mv.view(-1, head_dim).index_copy_(0, p.append_rows, v.reshape(rows, head_dim))
-        out = (p.batch * kv_heads, p.max_len, head_dim)
-        return mk[:, :, :p.max_len].reshape(out), mv[:, :, :p.max_len].reshape(out)
+        rows = p.batch * kv_heads
+        return (mk[..., :p.max_len].reshape(rows, head_dim, p.max_len),
+                mv[:, :, :p.max_len].reshape(rows, p.max_len, head_dim))
 
     def _ensure_buffers(self, num_layers: int, batch: int, max_len: int, like: torch.Tensor) -> bool:
         """Buffers for at least `batch` requests and `max_len` positions plus room to append
@@ -105,16 +112,15 @@ class DecodeKVMirror:
         request has not reached are read (and masked out) by the matmuls, so they must hold
         finite values."""
         kv_heads, head_dim = like.shape[1:]
-        old = self._k[0] if self._k else None
-        if (old is not None and len(self._k) == num_layers and old.shape[0] >= batch
+        old = self._v[0] if self._v else None
+        if (old is not None and len(self._v) == num_layers and old.shape[0] >= batch
                 and old.shape[1] == kv_heads and old.shape[3] == head_dim and old.dtype == like.dtype
                 and max_len + 4 <= old.shape[2] <= 2 * capacity(max_len)):
             return True
         cap = capacity(max_len)
-        shape = (batch, kv_heads, cap, head_dim)
         nbytes = 2 * num_layers * batch * kv_heads * cap * head_dim * like.element_size()
         if nbytes > MAX_MIRROR_BYTES:
             return False
-        self._k = [like.new_zeros(shape) for _ in range(num_layers)]
-        self._v = [like.new_zeros(shape) for _ in range(num_layers)]
+        self._k = [like.new_zeros((batch, kv_heads, head_dim, cap)) for _ in range(num_layers)]
+        self._v = [like.new_zeros((batch, kv_heads, cap, head_dim)) for _ in range(num_layers)]
         return True

@@ -150,11 +150,12 @@ class TorchNativeBackend(AttentionBackend):
                        layer: "Attention") -> torch.Tensor:
         """Decode attention over the mirror's head-major K/V: each KV head's GQA group of query
         rows against its keys in one `bmm` (scores [B * Hkv, G, L]), softmax, · V; the output
-        [B * Hkv, G, D] is already [B, H, D] in memory. k, v: `DecodeKVMirror.update`'s views."""
+        [B * Hkv, G, D] is already [B, H, D] in memory. k [B * Hkv, D, L] (keys transposed),
+        v [B * Hkv, L, D]: `DecodeKVMirror.update`'s views."""
         m = self.meta
         bs, heads, dim = q.shape
         kv_heads = k.shape[0] // bs
-        scores = torch.bmm(q.reshape(bs * kv_heads, heads // kv_heads, dim), k.transpose(1, 2))
+        scores = torch.bmm(q.reshape(bs * kv_heads, heads // kv_heads, dim), k)
         scores.mul_(layer.scaling)
         if m.mask is not None:
             scores.view(bs, kv_heads, -1, m.max_len).masked_fill_(
