@@ -50,6 +50,10 @@ for stage in "$@"; do
     pdl-ab) run pdl_ab 540 bash -c 'for s in 1 0; do ROLLOUT_PDL=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
               --new-tokens 128 --repeats 4 --skip-hf --out $OUT/pdl_$s.json; done' ;;
+    # rotary + KV store in one kernel on and off (ROLLOUT_FUSED_ROPE_KV), engine alone
+    rope-ab) run rope_ab 540 bash -c 'for r in 1a 0a 1b 0b; do ROLLOUT_FUSED_ROPE_KV=${r:0:1} python3 \
+              benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 \
+              --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf --out $OUT/rope_$r.json; done' ;;
     # batch 1 with a skinny-GEMM table override (CONFIGS=file, as written by gpu_gemv.py
     # --configs-out) and without, engine alone
     table-ab) run table_ab 400 bash -c 'for t in with without; do \

@@ -24,42 +24,69 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# what a padded row holds: token 0 at position 0 of request row 0, one key, KV into dummy slot 0
-PAD_VALUES = dict(input_ids=0, positions=0, req_pool_indices=0, seq_lens=1, out_cache_loc=0,
-                  token_req_pool_indices=0)
+# what a padded row holds: token 0 at position 0 of request row 0, one key, KV into dummy slot 0.
+# The order is that of the first six INDEX_FIELDS, so a decode batch's packed indices (its
+# device tensors are rows of one [8, bs] tensor) go into the static table in one copy.
+PAD_VALUES = dict(input_ids=0, positions=0, out_cache_loc=0, token_req_pool_indices=0,
+                  req_pool_indices=0, seq_lens=1)
+assert tuple(PAD_VALUES) == INDEX_FIELDS[:len(PAD_VALUES)]
 
 
 @dataclass
 class GraphInputs:
-    """Static input buffers for the largest graph; each holds the padded-row value when idle."""
+    """Static input buffers for the largest graph: rows of one [6, max_bs] int64 table (each
+    holds the padded-row value when idle)."""
 
+    table: torch.Tensor
+    pad: torch.Tensor  # the padded-row values, the table's shape
     input_ids: torch.Tensor
     positions: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     token_req_pool_indices: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
 
     @classmethod
     def allocate(cls, max_bs: int, device: torch.device) -> "GraphInputs":
-        return cls(**{name: torch.full((max_bs,), value, dtype=torch.int64, device=device)
-                      for name, value in PAD_VALUES.items()})
+        pad = torch.tensor(list(PAD_VALUES.values()), dtype=torch.int64, device=device)
+        pad = pad.view(-1, 1).expand(-1, max_bs).contiguous()
+        table = pad.clone()
+        return cls(table, pad, *table.unbind(0))
 
     def fill(self, fb: ForwardBatch, graph_bs: int) -> None:
-        """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values."""
+        """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values: one
+        copy each when fb's indices are packed (as `build_decode_batch` makes them)."""
         bs = fb.batch_size
-        for name, value in PAD_VALUES.items():
-            buf = getattr(self, name)
-            buf[:bs].copy_(getattr(fb, name), non_blocking=True)
-            if graph_bs > bs:
-                buf[bs:graph_bs].fill_(value)
+        packed = _packed_rows(fb, len(PAD_VALUES))
+        if packed is not None:
+            self.table[:, :bs].copy_(packed, non_blocking=True)
+        else:
+            for name in PAD_VALUES:
+                getattr(self, name)[:bs].copy_(getattr(fb, name), non_blocking=True)
+        if graph_bs > bs:
+            self.table[:, bs:graph_bs].copy_(self.pad[:, bs:graph_bs])
+
+
+def _packed_rows(fb: ForwardBatch, rows: int):
+    """fb's first `rows` index fields as one [rows, bs] view when they are consecutive rows of
+    one tensor (a decode batch from `build_decode_batch`), else None."""
+    first, bs = fb.input_ids, fb.batch_size
+    if first.dim() != 1 or first.stride(0) != 1 or first.numel() != bs:
+        return None
+    base, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for i, name in enumerate(INDEX_FIELDS[:rows]):
+        t = getattr(fb, name)
+        if (t is None or t.dtype != first.dtype or t.stride(0) != 1 or t.numel() != bs
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != base + i * bs):
+            return None
+    return first.as_strided((rows, bs), (bs, 1))
 
 
 class CudaGraphRunner:
@@ -137,7 +164,8 @@ class CudaGraphRunner:
         return bool(self.graphs) and fb.forward_mode.is_decode and 0 < fb.batch_size <= self.max_bs
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [fb.batch_size, vocab] float32, as the eager forward would return them."""
+        """Logits [fb.batch_size, vocab] float32, as the eager forward would return them (with
+        `fb.logits_read_at_once`: the graph's output buffer, valid until the next replay)."""
         bs = fb.batch_size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         self.inputs.fill(fb, graph_bs)
@@ -145,5 +173,8 @@ class CudaGraphRunner:
         self.backend.init_forward_metadata_replay(self._static_batch(graph_bs, padded_lens))
         self.graphs[graph_bs].replay()
         self.num_replays += 1
-        # a copy: the static output is overwritten by the next replay of any graph (shared pool)
-        return self.outputs[graph_bs][:bs].clone()
+        out = self.outputs[graph_bs][:bs]
+        # The static output is overwritten by the next replay of any graph (shared pool): a copy,
+        # unless the caller reads it at once (the engine samples from it, and the next replay is
+        # queued behind that sampling on the same stream; the copy is 78 MB at batch 128)
+        return out if fb.logits_read_at_once else out.clone()

@@ -65,6 +65,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     sampling_info: Optional["SamplingBatchInfo"] = None
     return_all_logits: bool = False  # prompt logprobs: logits for every token, not just the last
+    # the caller reads the logits before it runs another forward (the engine samples at once):
+    # a decode graph may return its output buffer instead of a copy
+    logits_read_at_once: bool = False
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["TokenToKVPool"] = None
     attn_backend: Optional["AttentionBackend"] = None

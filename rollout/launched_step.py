@@ -42,7 +42,10 @@ class LaunchedStep:
                 self._cpu.top_values = out.top_logprob_values.tolist()
             return
         # token ids are exact in float64, so tokens and logprobs travel in one copy
-        self._host = _to_host(torch.stack((out.tokens.double(), out.logprobs.double())))
+        pack = out.host_pack
+        if pack is None:
+            pack = torch.stack((out.tokens.double(), out.logprobs.double()))
+        self._host = _to_host(pack)
         if out.top_logprob_ids is not None:
             self._tops = (_to_host(out.top_logprob_ids), _to_host(out.top_logprob_values))
         self._ready = torch.cuda.Event()

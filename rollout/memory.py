@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -9,6 +10,9 @@ import torch
 from rollout.errors import ConfigError, KVCacheBudgetError
 
 logger = logging.getLogger(__name__)
+
+# GPU: the rotary kernel also writes each layer's new K and V (no store kernel). 0: off (A/B).
+FUSED_ROPE_KV = os.environ.get("ROLLOUT_FUSED_ROPE_KV", "1") != "0"
 
 
 class ReqToTokenPool:
@@ -37,6 +41,18 @@ class TokenToKVPool:
         if torch.device(device).type == "cuda":
             from rollout.attention.triton_kernels import store_kv
             self._fused = store_kv
+
+    def rotary_store_target(self, layer_id: int, loc: torch.Tensor, v: torch.Tensor
+                            ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(v, loc, k_buffer, v_buffer) for a rotary kernel that stores the layer's keys and
+        values itself (`triton_ops.KVStore`), or None where `set_kv` must (off a GPU, rows not
+        flat, other head shapes, or ROLLOUT_FUSED_ROPE_KV=0)."""
+        fused = self._fused
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if (fused is None or not FUSED_ROPE_KV or not fused.rows_are_flat(v)
+                or v.shape[1:] != k_buf.shape[1:] or v.device != k_buf.device):
+            return None
+        return v, loc, k_buf, v_buf
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]

@@ -29,6 +29,8 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float32
     top_logprob_values: Optional[torch.Tensor] = None  # [B, k]
     top_logprob_ids: Optional[torch.Tensor] = None  # [B, k]
+    # [2, B] float64 (tokens, logprobs) when the sampler wrote them ready for one host copy
+    host_pack: Optional[torch.Tensor] = None
 
 
 def keep_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> Optional[torch.Tensor]:
@@ -60,8 +62,9 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     if (logits.is_cuda and FUSED_GPU_SAMPLER and not info.needs_filter and info.max_top_logprobs == 0
             and logits.dtype == torch.float32 and logits.stride(-1) == 1):
         from rollout import triton_sampler  # lazily: triton only where CUDA runs
-        return SampleOutput(*triton_sampler.sample_unfiltered(
-            logits, info.temperatures, info.greedy, info.uniforms))
+        tokens, logprobs, pack = triton_sampler.sample_unfiltered(
+            logits, info.temperatures, info.greedy, info.uniforms)
+        return SampleOutput(tokens, logprobs, host_pack=pack)
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)
     if info.max_top_logprobs > 0:
         logprobs_all = torch.log_softmax(scaled, dim=-1)

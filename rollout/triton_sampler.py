@@ -58,7 +58,7 @@ def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, V, C,
+def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B, V, C,
           CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
           USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
@@ -87,12 +87,16 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     logprob = (x_tok - m) - tl.log(total.to(tl.float32))
     tl.store(Tokens + row, token.to(tl.int64))
     tl.store(Logprobs + row, logprob)
+    # [2, B] float64 (token ids are exact in float64): the step's one copy to the host
+    tl.store(Packed + row, token.to(tl.float64))
+    tl.store(Packed + B + row, logprob.to(tl.float64))
 
 
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 (rows contiguous), temperatures [B] float32 (1.0 on greedy rows),
-    greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32)."""
+    greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
+    stacked as [2, B] float64 for the copy to the host)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
     block_c = triton.next_power_of_2(chunks)
@@ -102,14 +106,16 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     csum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+    packed = torch.empty(2, rows, dtype=torch.float64, device=dev)
     stride = logits.stride(0)
     _chunk_max[(rows, chunks)](logits, stride, temperatures, cmax, cidx, vocab, chunks, CHUNK=CHUNK,
                                num_warps=8, **launch_options())
     _chunk_sum[(rows, chunks)](logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK,
                                BLOCK_C=block_c, num_warps=8, **launch_options())
     _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens, logprobs,
-                   vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8, **launch_options())
-    return tokens, logprobs
+                   packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8,
+                   **launch_options())
+    return tokens, logprobs, packed
 
 
 __all__ = ["sample_unfiltered", "CHUNK"]

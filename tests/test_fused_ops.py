@@ -127,6 +127,60 @@ def test_rotary_in_place(dtype, rows, head_dim):
     check(qk, expected, dtype, exact=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
+def test_rotary_with_kv_store_equals_rotary_then_set_kv(dtype, rows, heads):
+    """The fused store writes what `rotary then TokenToKVPool.set_kv` writes, bit for bit: the
+    rotated key heads and the values at each token's slot, nothing else (buffer dtype fp32 too,
+    as a KV cache in another dtype would be)."""
+    from rollout.memory import TokenToKVPool
+    q_heads, kv_heads = heads
+    qkv = rand(rows, (q_heads + 2 * kv_heads) * 64, dtype=dtype, seed=rows)
+    qk = qkv[:, :(q_heads + kv_heads) * 64].view(rows, q_heads + kv_heads, 64)
+    v = qkv[:, (q_heads + kv_heads) * 64:].view(rows, kv_heads, 64)
+    cos, sin = rope(rows, 64, dtype, seed=rows)
+    loc = torch.randperm(40, generator=torch.Generator().manual_seed(rows))[:rows].add(1).to(DEV)
+    for buf_dtype in (dtype, torch.float32):
+        pool = TokenToKVPool(48, 1, kv_heads, 64, buf_dtype, "cpu")
+        kb, vb = (b.to(DEV) for b in (pool.k_buffers[0], pool.v_buffers[0]))
+        kb.normal_(generator=torch.Generator(DEV).manual_seed(1))
+        vb.normal_(generator=torch.Generator(DEV).manual_seed(2))
+        ref_k, ref_v = kb.clone(), vb.clone()
+        expected = apply_rotary(qk.clone(), cos, sin)
+        ref_k[loc] = expected[:, q_heads:].to(buf_dtype)
+        ref_v[loc] = v.to(buf_dtype)
+        x = qk.clone()
+        triton_ops.apply_rotary_inplace(x, cos, sin, kv=triton_ops.KVStore(v, loc, kb, vb))
+        check(x, expected, dtype, exact=True)
+        assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
+
+
+def test_rotary_kv_store_bad_shapes_are_refused():
+    x = torch.zeros(2, 6, 64, device=DEV)
+    cs = torch.zeros(2, 1, 32, device=DEV)
+    kb = torch.zeros(8, 2, 64, device=DEV)
+    loc = torch.zeros(2, dtype=torch.int64, device=DEV)
+    bad = [triton_ops.KVStore(torch.zeros(2, 2, 32, device=DEV), loc, kb, kb),  # head_dim
+           triton_ops.KVStore(torch.zeros(2, 2, 64, device=DEV), loc[:1], kb, kb),  # loc
+           triton_ops.KVStore(torch.zeros(2, 2, 64, device=DEV), loc, kb[:, :1], kb),  # kv heads
+           triton_ops.KVStore(torch.zeros(2, 64, 2, device=DEV).transpose(1, 2), loc, kb, kb)]
+    for kv in bad:
+        with pytest.raises(ValueError, match="KV store"):
+            triton_ops.apply_rotary_inplace(x, cs, cs, kv=kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_lookup_is_the_cast_table_rows(dtype):
+    """`lookup`'s cos/sin (views of one gather) are the float32 tables' rows rounded to dtype."""
+    rot = RotaryEmbedding(64, 512, 1e4).to(DEV)
+    positions = torch.tensor([0, 5, 511, 5], device=DEV)
+    cos, sin = rot.lookup(positions, dtype)
+    assert cos.shape == sin.shape == (4, 1, 32) and cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, rot.cos_cache[positions].unsqueeze(1).to(dtype))
+    assert torch.equal(sin, rot.sin_cache[positions].unsqueeze(1).to(dtype))
+
+
 def test_zero_rows_launch_nothing(monkeypatch):
     class NoLaunch:
         def __getitem__(self, grid):
@@ -260,10 +314,14 @@ def greedy_logits(driver: RunnerDriver, steps: int = 3) -> torch.Tensor:
 @pytest.mark.skipif(DEV.type == "cuda", reason="on a GPU the model takes this branch for real")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_fused_branch_matches_torch_branch(tiny_dirs, dtype):
-    """Fused ops, SGLang's residual stream, in-place q/k norms and rotary (Qwen3) wired as on a
-    GPU give the plain-torch branch's logits: fp32 within 1e-5, bf16 bit for bit here."""
+    """Fused ops, SGLang's residual stream, in-place q/k norms and rotary (Qwen3), the rotary
+    kernel writing the KV cache, wired as on a GPU give the plain-torch branch's logits: fp32
+    within 1e-5, bf16 bit for bit here."""
+    from rollout.attention.triton_kernels import store_kv
     path = tiny_dirs["Qwen3ForCausalLM"]
     fused_driver, torch_driver = RunnerDriver(path, dtype=dtype), RunnerDriver(path, dtype=dtype)
+    pool = fused_driver.runner.token_to_kv_pool
+    pool._fused = store_kv  # as on a GPU: the rotary kernel stores K and V, the backend does not
     with tensors_claim_cuda():
         fused = greedy_logits(fused_driver)
     plain = greedy_logits(torch_driver)

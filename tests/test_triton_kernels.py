@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from rollout.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rollout.attention.triton_backend import TritonBackend  # noqa: E402
 from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
+from rollout.batch_builder import build_batch  # noqa: E402
 from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from tests.helpers import (DEV, RunnerDriver, eager_graph_capture, gpu, hf_last_logits,  # noqa: E402
                            hf_model, require_runnable_triton)
@@ -236,6 +237,47 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     assert graphed.runner.graph_runner.num_replays == 3
     assert g_tokens == e_tokens
     assert (g_logits - e_logits).abs().max().item() <= 1e-5
+
+
+def test_graph_inputs_fill_packed_and_per_field():
+    """A decode batch's index fields are rows of one tensor: the static table takes them in one
+    copy; separate tensors (a hand-made batch) go field by field; both pad rows bs..graph_bs."""
+    from rollout.batch_builder import build_decode_batch
+    from rollout.cuda_graph_runner import PAD_VALUES, GraphInputs, _packed_rows
+    from rollout.kv_allocator import KVAllocator
+    alloc = KVAllocator(8, 256, 64)
+    rows = [alloc.alloc_row() for _ in range(3)]
+    fb = build_decode_batch(rows, [11, 12, 13], [4, 9, 2], alloc, torch.device("cpu"))
+    want = torch.stack([getattr(fb, name) for name in PAD_VALUES])
+    assert torch.equal(_packed_rows(fb, len(PAD_VALUES)), want)
+    pads = torch.tensor(list(PAD_VALUES.values())).view(-1, 1).expand(-1, 5)
+    for batch in (fb, dataclasses.replace(fb, positions=fb.positions.clone())):
+        assert (_packed_rows(batch, len(PAD_VALUES)) is None) == (batch is not fb)
+        inputs = GraphInputs.allocate(8, torch.device("cpu"))
+        inputs.table.fill_(-1)
+        inputs.fill(batch, 8)
+        assert torch.equal(inputs.table[:, :3], want)
+        assert torch.equal(inputs.table[:, 3:], pads)
+        assert torch.equal(inputs.seq_lens[:3], fb.seq_lens)  # the named rows view the table
+
+
+def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):
+    """replay() hands out the graph's output buffer only to a caller that reads it before the
+    next forward (the engine's sampling); anyone else gets a copy that later replays leave alone."""
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
+    driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], cuda_graph_batch_sizes=(1, 2, 4), **cfg)
+    runner = driver.runner.graph_runner = CudaGraphRunner(driver.runner)
+    logits = driver.prefill([[1, 2, 3], [4, 5]])
+    kept = driver.decode(logits.argmax(-1).tolist())
+    before = kept.clone()
+    fb = build_batch(ForwardMode.DECODE, driver.rows, [[7], [8]], driver.lens, driver.alloc, DEV)
+    fb.logits_read_at_once = True
+    transient = driver.forward(fb)
+    assert transient.data_ptr() == runner.outputs[2].data_ptr()
+    assert torch.equal(kept, before)  # the earlier copy was not overwritten by the replay
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -45,9 +45,12 @@ def test_fused_sampler_draws_what_the_torch_sampler_draws():
     params = PARAMS * 4
     seeds, positions = list(range(100, 100 + len(params))), [7 + i for i in range(len(params))]
     want = _torch_path(logits, params, seeds, positions)
-    tokens, logprobs = _fused(logits, _info(params, seeds, positions, DEV))
+    tokens, logprobs, pack = _fused(logits, _info(params, seeds, positions, DEV))
     assert torch.equal(tokens.cpu(), want.tokens)
     assert torch.allclose(logprobs.cpu(), want.logprobs, atol=1e-5, rtol=0)
+    # the host copy's [2, B] float64: exactly the tokens and the logprobs
+    assert pack.dtype == torch.float64 and pack.shape == (2, len(params))
+    assert torch.equal(pack.cpu(), torch.stack((tokens.double(), logprobs.double())).cpu())
     greedy = torch.tensor([p.is_greedy for p in params])
     assert torch.equal(tokens.cpu()[greedy], logits[greedy].argmax(-1))
 
@@ -67,7 +70,7 @@ def test_fused_sampler_frequencies_match_softmax():
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
     params = [SamplingParams(temperature=0.8)] * draws
     info = SamplingBatchInfo.build(params, list(range(draws)), [11] * draws, vocab, DEV)
-    tokens, logprobs = triton_sampler.sample_unfiltered(
+    tokens, logprobs, _ = triton_sampler.sample_unfiltered(
         logits.to(DEV).expand(draws, vocab).contiguous(), info.temperatures, info.greedy, info.uniforms)
     probs = torch.softmax(logits.double() / 0.8, -1)
     expected = probs * draws

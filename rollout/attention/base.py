@@ -26,8 +26,10 @@ class AttentionBackend(ABC):
         """q: [batch, heads, head_dim], one token per request → same shape."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
-        fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+                layer: "Attention", fb: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the model already wrote k and v to the pool (the fused rotary kernel)."""
+        if not kv_stored:
+            fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode:
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)

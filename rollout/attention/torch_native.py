@@ -113,16 +113,17 @@ class TorchNativeBackend(AttentionBackend):
         return PaddedMetadata(slots.reshape(-1), mask.unsqueeze(1), token_batch, token_offset,
                               fb.batch_size, max_len, max_q)
 
-    def forward(self, q, k, v, layer, fb):
+    def forward(self, q, k, v, layer, fb, kv_stored: bool = False):
         pool = fb.token_to_kv_pool
         kb, vb = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         if kb.device.type == "cpu" and k.dtype == kb.dtype and v.dtype == vb.dtype:
-            kb.index_copy_(0, fb.out_cache_loc, k)  # what set_kv writes, one call each
-            vb.index_copy_(0, fb.out_cache_loc, v)
+            if not kv_stored:
+                kb.index_copy_(0, fb.out_cache_loc, k)  # what set_kv writes, one call each
+                vb.index_copy_(0, fb.out_cache_loc, v)
             if self.kv_mirror.planned and q.dtype == kb.dtype:
                 keys, values = self.kv_mirror.update(layer.layer_id, k, v, kb, vb, self.meta.kv_slots)
                 return self._decode_mirror(q, keys, values, layer)
-        else:
+        elif not kv_stored:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode:
             return self.forward_decode(q, layer, fb)

@@ -44,11 +44,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._half: dict[torch.dtype, torch.Tensor] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of shape [T, 1, head_dim / 2] for the step's positions."""
-        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
-                self.sin_cache[positions].unsqueeze(1).to(dtype))
+        """(cos, sin) of shape [T, 1, head_dim / 2] for the step's positions: views of one gather
+        from a [P, 2, head_dim / 2] table in `dtype` (made on first use per dtype, values
+        rounded once as a cast after the lookup would), one kernel a step instead of four."""
+        table = self._half.get(dtype)
+        if table is None or table.device != self.cos_cache.device:
+            table = torch.stack((self.cos_cache, self.sin_cache), 1).to(dtype)
+            self._half[dtype] = table
+        both = table.index_select(0, positions)
+        return both[:, 0:1], both[:, 1:2]
 
     def lookup_full(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """([cos, cos], [-sin, sin]) of shape [T, 1, head_dim] in `dtype`, for `apply_rotary_full_`.

@@ -4,7 +4,8 @@ A decode step at small batch is dominated by launches, not by math: unfused, eve
 a handful of kernels (cast, pow, mean, add, rsqrt, mul, cast, mul), and every residual add,
 rotary and SiLU gate several more. Here each is one kernel: `fused_add_rms_norm` (residual add +
 RMSNorm), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
-and `apply_rotary_inplace` (q and k heads together). The CPU path stays plain torch (the
+and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
+values into the KV cache in the same launch). The CPU path stays plain torch (the
 HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
 and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
 are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
@@ -29,7 +30,7 @@ numpy's exp).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -182,8 +183,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotary_kernel(
     X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
+    V, Loc, KBuf, VBuf, stride_vt, stride_kb, stride_vb, Q_HEADS,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     t = tl.program_id(0).to(tl.int64)
@@ -201,11 +203,37 @@ def _rotary_kernel(
     o2 = _round(_round(x2 * cos, dt, COMPILED) + _round(x1 * sin, dt, COMPILED), dt, COMPILED)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
+    if STORE_KV:  # the rotated key heads and the token's values into its KV slot
+        slot = tl.load(Loc + t).to(tl.int64)
+        kv_head = offs_h - Q_HEADS
+        k_mask = mask & (kv_head >= 0)[:, None]
+        kb = KBuf + slot * stride_kb + kv_head[:, None] * (2 * HALF) + offs_d[None, :]
+        kdt = KBuf.dtype.element_ty
+        tl.store(kb, o1.to(kdt), mask=k_mask)
+        tl.store(kb + HALF, o2.to(kdt), mask=k_mask)
+        if tl.program_id(1) == 0:
+            offs_v = tl.arange(0, BLOCK_KV)
+            v_mask = offs_v < KV_ROW
+            v = tl.load(V + t * stride_vt + offs_v, mask=v_mask)
+            tl.store(VBuf + slot * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
 
 
-def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+class KVStore(NamedTuple):
+    """Where `apply_rotary_inplace` also writes a step's keys and values: the last kv heads of
+    x are the keys; `v` [T, kv_heads, head_dim] (rows contiguous), `loc` [T] KV slots, and the
+    layer's [slots, kv_heads, head_dim] buffers (cast to their dtype on the way)."""
+    v: torch.Tensor
+    loc: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+
+
+def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv: Optional[KVStore] = None) -> torch.Tensor:
     """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
-    fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x."""
+    fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x. With `kv`, the same launch
+    stores the rotated keys (x's last kv heads) and the values into the KV cache, as
+    `TokenToKVPool.set_kv` would: one kernel a layer fewer."""
     if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
         raise ValueError(f"expected [T, heads, even head_dim] contiguous in head_dim, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -214,15 +242,38 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
         if c.shape != (t, 1, half) or c.dtype != x.dtype or c.stride(2) != 1:
             raise ValueError(f"cos/sin {tuple(c.shape)} {c.dtype} do not fit x {tuple(x.shape)} "
                              f"{x.dtype}")
+    if kv is not None:
+        _check_kv_store(x, kv)
     if x.numel() == 0:
         return x
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_d))
+    if kv is not None:
+        kv_row = kv.v.shape[1] * kv.v.shape[2]
+        store = (kv.v, kv.loc, kv.k_buffer, kv.v_buffer, kv.v.stride(0), kv.k_buffer.stride(0),
+                 kv.v_buffer.stride(0), heads - kv.v.shape[1])
+    else:
+        kv_row, store = 1, (x, x, x, x, 0, 0, 0, heads)
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
-        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads,
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
+        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, *store,
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED, STORE_KV=kv is not None,
+        KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
         num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
+
+
+def _check_kv_store(x: torch.Tensor, kv: KVStore) -> None:
+    t, heads, dim = x.shape
+    v, kb, vb = kv.v, kv.k_buffer, kv.v_buffer
+    kv_heads = v.shape[1] if v.dim() == 3 else 0
+    if (v.dim() != 3 or v.shape[0] != t or v.shape[2] != dim or not 1 <= kv_heads <= heads
+            or v.stride(2) != 1 or v.stride(1) != dim
+            or kb.shape[1:] != (kv_heads, dim) or vb.shape[1:] != (kv_heads, dim)
+            or not kb.is_contiguous() or not vb.is_contiguous()
+            or kv.loc.shape != (t,) or kv.loc.device != x.device):
+        raise ValueError(f"KV store does not fit x {tuple(x.shape)}: v {tuple(v.shape)} "
+                         f"strides {v.stride()}, buffers {tuple(kb.shape)} / {tuple(vb.shape)} "
+                         f"(contiguous [slots, kv_heads, head_dim]), loc {tuple(kv.loc.shape)}")
 
 
 def _is_compiled(kernel) -> bool:
@@ -232,4 +283,5 @@ def _is_compiled(kernel) -> bool:
 
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "apply_rotary_inplace", "MAX_HIDDEN"]
+__all__ = ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "apply_rotary_inplace", "KVStore",
+           "MAX_HIDDEN"]

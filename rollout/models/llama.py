@@ -37,21 +37,26 @@ class DecoderAttention(nn.Module):
         n, d = x.shape[0], self.attn.head_dim
         qk, v = self.qkv_proj(x).split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
                                          self.qkv_proj.kv_size], dim=-1)
-        qk = qk.view(n, self.heads + self.kv_heads, d)
+        qk, v = qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
+        kv_stored = False
         if qk.is_cuda:  # fused Triton kernels, in place on the fresh qkv_proj output
             from rollout.layers import triton_ops
             if self.q_norm is not None:
                 for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
                                        (self.q_norm, self.k_norm)):
                     triton_ops.rms_norm(heads, norm.weight, norm.eps, out=heads)
-            triton_ops.apply_rotary_inplace(qk, *rope)
+            # rotary and the KV cache write in one kernel where the pool allows it
+            target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
+            triton_ops.apply_rotary_inplace(
+                qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None)
+            kv_stored = target is not None
         else:
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
                                dim=1)
             apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v.view(n, self.kv_heads, d), fb))
+        return self.o_proj(self.attn(q, k, v, fb, kv_stored))
 
 
 class MLP(nn.Module):
