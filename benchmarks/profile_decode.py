@@ -59,6 +59,20 @@ def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, fl
     return wall / steps * 1e3, (wall - waited[0]) / steps * 1e3
 
 
+def prefill_ms(engine: Engine, prompts, n: int = 3) -> float:
+    """The batch's prefill and first sampled token alone (generate with one new token), median
+    of n: what a generate call spends before its first decode step."""
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, temperature=1.0)
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2] * 1e3
+
+
 def cpu_sections(engine: Engine, prompts, sp: SamplingParams, repeats: int = 5) -> list[str]:
     """Per-step microseconds of each part of the step, from wrappers around them (CPU only:
     the wrappers time host work, which on CPU is all the work)."""
@@ -134,7 +148,8 @@ def main() -> None:
         head = (f"bs={bs}: generate {wall * 1e3:.1f} ms for {args.new_tokens} tokens "
                 f"({wall / args.new_tokens * 1e3:.2f} ms/step)")
         if cuda:
-            lines.append(f"{head}; graph replay alone {replay_ms(engine, bs):.3f} ms")
+            lines.append(f"{head}; graph replay alone {replay_ms(engine, bs):.3f} ms; "
+                         f"prefill alone {prefill_ms(engine, prompts):.1f} ms")
             wall_ms, busy_ms = host_busy_ms(engine, prompts, sp)
             lines.append(f"  per step: wall {wall_ms:.3f} ms, host busy (not waiting for tokens) "
                          f"{busy_ms:.3f} ms")
@@ -149,6 +164,14 @@ def main() -> None:
         lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         if cuda:
             lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+            lines.append(f"bs={bs}: the prefill alone (generate with one new token) under the profiler")
+            one = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, temperature=1.0)
+            with profile(activities=activities) as prof:
+                engine.generate(prompts, one)
+                sync()
+            ka = prof.key_averages()
+            lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+            lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
         print("\n".join(lines[first:]), flush=True)
     Path(args.out).write_text("\n".join(lines))
 
