@@ -146,6 +146,13 @@ def _read_eos(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+GPU_PREFILL_TOKENS = 8192
+# CPU: a prefill chunk whose widest activation (the gate|up output) stays within a few MB, so a
+# layer's activations stay in cache between its ops instead of streaming through DRAM. On the
+# 2-core development machine (cpu-small shape, 64 prompts of 32 tokens, 2,048 prompt tokens)
+# chunks of 512-768 tokens made the prefill 25% and the whole generate ~8% faster than one chunk.
+CPU_PREFILL_ACTIVATION_BYTES = 4 << 20
+CPU_PREFILL_TOKENS_RANGE = (128, 8192)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -163,7 +170,9 @@ class EngineConfig:
     mem_fraction: float = 0.85  # GPU: share of free memory for weights + KV
     preloaded_weights_bytes: int = 0
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
+    # tokens an EXTEND step may compute (a longer prompt still goes alone). None: 8192 on a GPU,
+    # a cache-sized chunk on CPU (`prefill_token_budget`)
+    max_prefill_tokens: Optional[int] = None
     max_context_len: Optional[int] = None  # default: the model's max_position_embeddings
     seed: int = 0
     cuda_graph: bool = True
@@ -186,8 +195,7 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check_positive_int("tp_size", self.tp_size)
         _check_positive_int("max_running_requests", self.max_running_requests)
-        _check_positive_int("max_prefill_tokens", self.max_prefill_tokens)
-        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_context_len"):
+        for name in ("max_prefill_tokens", "kv_cache_tokens", "kv_cache_bytes", "max_context_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not isinstance(self.preloaded_weights_bytes, int) or self.preloaded_weights_bytes < 0:
@@ -228,6 +236,19 @@ class EngineConfig:
         if self.overlap_schedule is not None:
             return self.overlap_schedule
         return self.is_cuda and self.tp_size == 1
+
+    def prefill_token_budget(self, mc: "ModelConfig") -> int:
+        """`max_prefill_tokens`, or its device default: GPU_PREFILL_TOKENS on a GPU; on CPU the
+        largest power of two of tokens whose gate|up activation fits CPU_PREFILL_ACTIVATION_BYTES
+        (512 for the cpu-small shape in fp32), within CPU_PREFILL_TOKENS_RANGE."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        if self.is_cuda:
+            return GPU_PREFILL_TOKENS
+        per_token = 2 * mc.intermediate_size * self.torch_dtype.itemsize
+        tokens = 1 << max(0, (CPU_PREFILL_ACTIVATION_BYTES // per_token).bit_length() - 1)
+        low, high = CPU_PREFILL_TOKENS_RANGE
+        return min(high, max(low, tokens))
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

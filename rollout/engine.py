@@ -54,7 +54,7 @@ class Engine(EngineWeightsMixin):
     def _make_scheduler(self) -> Scheduler:
         r, mc = self.runner, self.model_config
         alloc = KVAllocator(self.config.max_running_requests + 1, r.num_token_slots, r.max_context_len)
-        limits = SchedulerLimits(self.config.max_running_requests, self.config.max_prefill_tokens,
+        limits = SchedulerLimits(self.config.max_running_requests, self.config.prefill_token_budget(mc),
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
         overlap = self.config.overlap and r.tp.size == 1
         return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap)

@@ -120,6 +120,9 @@ def test_bad_engine_config():
         EngineConfig(preloaded_weights_bytes=-5)
     with pytest.raises(ConfigError, match="preloaded_weights_bytes"):
         EngineConfig(preloaded_weights_bytes=1.5)
+    for bad in (0, -8, True, 2.5):
+        with pytest.raises(ConfigError, match="max_prefill_tokens"):
+            EngineConfig(max_prefill_tokens=bad)
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,30 @@ def test_tiny_kv_pool_retracts_and_still_matches(tiny_dirs, engines):
     assert sum(o.num_retractions for o in outs) == small.stats.retractions
 
 
+def test_prefill_budget_defaults_and_chunked_prefill_matches(tiny_dirs, engines):
+    """The prefill-token budget: explicit, else 8192 on a GPU and on CPU the power of two of
+    tokens whose gate|up activation fits 4 MiB. A budget far below the batch's prompt tokens
+    prefills it over several EXTEND steps with the same greedy tokens and logprobs."""
+    from rollout.config import ModelConfig
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    mc = ModelConfig.from_pretrained(path)
+    cpu = EngineConfig(model_path=path).prefill_token_budget(mc)
+    want = 1 << ((4 << 20) // (2 * mc.intermediate_size * 4)).bit_length() - 1
+    assert cpu == min(8192, max(128, want))
+    assert EngineConfig(model_path=path, device="cuda").prefill_token_budget(mc) == 8192
+    assert EngineConfig(model_path=path, max_prefill_tokens=5).prefill_token_budget(mc) == 5
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    one_chunk = engines["Qwen2ForCausalLM"].generate(RAGGED, sp)
+    small = Engine(EngineConfig(model_path=path, kv_cache_tokens=4096, max_prefill_tokens=8))
+    steps = small.stats.steps
+    chunked = small.generate(RAGGED, sp)
+    assert small.stats.steps - steps == 6 + 5  # 6 EXTEND steps (38 prompt tokens, <= 8 a step or
+    # one prompt alone), then 5 decode steps
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in one_chunk]
+    for a, b in zip(chunked, one_chunk):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 def test_stop_tokens_and_string_prompts(engines):
     eng = engines["Qwen2ForCausalLM"]
     greedy = eng.generate(["hello"], SamplingParams(max_new_tokens=10, temperature=0.0))[0]
