@@ -8,9 +8,10 @@ same order, each one token longer. `DecodeKVMirror` keeps, per layer, the batch'
 (head-major, so each KV head's keys are one matrix for `bmm`; the keys already transposed,
 because a score `bmm` that reads Kᵀ in place is ~30% slower here when K comes from memory, as
 it does inside a decode step) and on such a step writes just the new token of each request;
-any other step gathers the whole batch from the pool again. The pool stays the owner of the KV: the mirror is a copy
-derived from it, rebuilt whenever it cannot prove it is current (an extend step, a change of
-requests or order, a length that is not the last one plus one, a pool reallocated)."""
+any other step gathers the whole batch from the pool again. The pool stays the owner of the KV:
+the mirror is a copy derived from it, rebuilt whenever it cannot prove it is current (an extend
+step, a change of requests or order, a length that is not the last one plus one, a pool
+reallocated)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
