@@ -59,15 +59,17 @@ def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, fl
     return wall / steps * 1e3, (wall - waited[0]) / steps * 1e3
 
 
+# generate with one new token: the batch's prefill and first sampled token alone
+PREFILL_ONLY = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, temperature=1.0)
+
+
 def prefill_ms(engine: Engine, prompts, n: int = 3) -> float:
-    """The batch's prefill and first sampled token alone (generate with one new token), median
-    of n: what a generate call spends before its first decode step."""
-    sp = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, temperature=1.0)
+    """Median of n `PREFILL_ONLY` calls: what a generate call spends before its first decode step."""
     times = []
     for _ in range(n):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, sp)
+        engine.generate(prompts, PREFILL_ONLY)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[n // 2] * 1e3
@@ -165,9 +167,8 @@ def main() -> None:
         if cuda:
             lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
             lines.append(f"bs={bs}: the prefill alone (generate with one new token) under the profiler")
-            one = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, temperature=1.0)
             with profile(activities=activities) as prof:
-                engine.generate(prompts, one)
+                engine.generate(prompts, PREFILL_ONLY)
                 sync()
             ka = prof.key_averages()
             lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))

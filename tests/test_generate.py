@@ -86,8 +86,10 @@ def test_prefill_budget_defaults_and_chunked_prefill_matches(tiny_dirs, engines)
     path = tiny_dirs["Qwen2ForCausalLM"]
     mc = ModelConfig.from_pretrained(path)
     cpu = EngineConfig(model_path=path).prefill_token_budget(mc)
-    want = 1 << ((4 << 20) // (2 * mc.intermediate_size * 4)).bit_length() - 1
-    assert cpu == min(8192, max(128, want))
+    per_token = 2 * mc.intermediate_size * 4  # fp32 gate|up activation of one token
+    assert cpu & (cpu - 1) == 0 and 128 <= cpu <= 8192
+    assert cpu == 128 or cpu * per_token <= 4 << 20  # fits, unless at the floor
+    assert cpu == 8192 or 2 * cpu * per_token > 4 << 20  # the largest that fits, unless capped
     assert EngineConfig(model_path=path, device="cuda").prefill_token_budget(mc) == 8192
     assert EngineConfig(model_path=path, max_prefill_tokens=5).prefill_token_budget(mc) == 5
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
