@@ -87,6 +87,7 @@ class Engine(EngineWeightsMixin):
                     raise KVCacheBudgetError("the KV cache has no room for these prompts right now")
                 return self.forward(fb).float().cpu()
             finally:
+                self.runner.release_cpu_threads()
                 for r, p in zip(rows, ids):
                     alloc.free(r, len(p) if fb is not None else 0)
 
@@ -119,12 +120,17 @@ class Engine(EngineWeightsMixin):
             for r in reqs:
                 self.scheduler.add(r)
             with progress_bar(len(reqs), show) as bar:
-                while self.scheduler.has_work or self.scheduler.finished_pending:
-                    with self.gate.step():
-                        finished = self.scheduler.step()
-                    for req in finished:
-                        bar.update(1)
-                        yield self._output(req)
+                try:
+                    while self.scheduler.has_work or self.scheduler.finished_pending:
+                        with self.gate.step():
+                            finished = self.scheduler.step()
+                        if finished:
+                            self.runner.release_cpu_threads()  # the caller runs between yields
+                        for req in finished:
+                            bar.update(1)
+                            yield self._output(req)
+                finally:
+                    self.runner.release_cpu_threads()
 
     def _output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None

@@ -17,6 +17,7 @@ from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
 from rollout.errors import CheckpointError, EngineNotReadyError, KVCacheBudgetError, WeightUpdateError
 from rollout.forward_batch import ForwardBatch
+from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.memory import (MEMORY_TAGS, ReqToTokenPool, StorageRecord, TokenToKVPool, check_memory_tags,
                             free_storages, kv_bytes_per_token, kv_capacity_tokens, restore_storages)
 from rollout.models.registry import model_class
@@ -118,12 +119,19 @@ class ModelRunner:
         `fb.return_all_logits`."""
         if self.released:
             raise EngineNotReadyError(f"memory {sorted(self.released)} is released; call resume_memory")
+        if self.device.type == "cpu":  # one-row GEMMs (a batch-1 decode) through OpenBLAS
+            ONE_ROW_BLAS.enter() if fb.num_tokens == 1 else ONE_ROW_BLAS.leave()
         fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         return self.forward_eager(fb)
+
+    def release_cpu_threads(self) -> None:
+        """Called before the engine hands control back to its caller: torch gets its CPU
+        threads back and OpenBLAS's workers stop (`one_row_blas`)."""
+        ONE_ROW_BLAS.leave()
 
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(fb)

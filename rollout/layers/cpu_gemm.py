@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rollout.layers.one_row_blas import ONE_ROW_BLAS
+
 
 def _onednn_linear_op():
     if os.environ.get("ROLLOUT_CPU_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
@@ -49,12 +51,15 @@ def pack_cpu_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                packed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, through oneDNN for fp32 CPU GEMMs of at least ONEDNN_MIN_WORK multiply-adds when
+    """F.linear: one row through OpenBLAS while `ONE_ROW_BLAS` is entered (batch-1 decode), else
+    through oneDNN for fp32 CPU GEMMs of at least ONEDNN_MIN_WORK multiply-adds when
     no autograd is needed (the engine runs under inference_mode). Results are IEEE fp32 like
     MKL's, summed in another order (ulp-level differences, as between two BLAS libraries).
     `packed`: `pack_cpu_weight(weight)`, used for a 2-D x (at any row count: a decode batch of 4
     ran 26% faster with it, one of 1 2%, in-engine A/B on the cpu-small shape)."""
     global _ONEDNN_LINEAR
+    if ONE_ROW_BLAS.takes(x, weight):
+        return ONE_ROW_BLAS.linear(x, weight, bias)
     if (packed is not None and _ONEDNN_LINEAR is not None and x.dim() == 2
             and x.dtype == torch.float32 and not torch.is_grad_enabled()):
         return _ONEDNN_LINEAR(x, packed, bias, "none", [], "")

@@ -15,6 +15,7 @@ from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    use_skinny)
 from rollout.layers.norm import RMSNorm, rms_norm_ref
+from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.layers.packed_weights import PackedWeights
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
 from rollout.models.weight_table import WeightTable
@@ -129,12 +130,12 @@ class DecoderLayer(nn.Module):
                         self.self_attn.o_proj.bias)
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
-        halves = packed.halves(gu_w, inter)
-        if halves is not None:
+        if ONE_ROW_BLAS.takes(x, gu_w):
+            act = _silu_mul(ONE_ROW_BLAS.linear(x, gu_w), inter)
+        elif (halves := packed.halves(gu_w, inter)) is not None:
             act = cpu_gate_up_silu(x, *halves)
         else:
-            gate, up = cpu_linear(x, gu_w, None, packed(gu_w)).split(inter, dim=-1)
-            act = nn.functional.silu(gate).mul_(up)
+            act = _silu_mul(cpu_linear(x, gu_w, None, packed(gu_w)), inter)
         return _row_linear(act, down_w, packed(down_w), tp, self.mlp.down_proj.bias), residual
 
     def _cpu_refs(self) -> tuple:
@@ -151,6 +152,11 @@ class DecoderLayer(nn.Module):
                     a.qkv_proj.kv_size, m.inter, a.o_proj.tp)
             self.__dict__["_refs"] = refs  # a plain attribute: not a parameter, not in state_dict
         return refs
+
+
+def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split(inter, dim=-1)
+    return nn.functional.silu(gate).mul_(up)
 
 
 def _row_linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor], tp: TPGroup,
