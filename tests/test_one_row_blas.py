@@ -95,3 +95,24 @@ def test_weights_stay_releasable_after_batch_one_steps(tiny_dirs, gemv_calls):
     engine.update_weights_from_tensor(weights)
     after = engine.generate([[3, 1, 4]], sp)[0]
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+def test_the_mode_belongs_to_the_thread_that_entered():
+    import threading
+    x, weight = torch.randn(1, 64), torch.randn(32, 64)
+    seen = {}
+
+    def other():
+        ONE_ROW_BLAS.enter()  # held by the main thread: a no-op here
+        seen["takes"], seen["active"] = ONE_ROW_BLAS.takes(x, weight), ONE_ROW_BLAS.active
+        ONE_ROW_BLAS.leave()  # not this thread's to leave
+    ONE_ROW_BLAS.enter()
+    try:
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert seen == {"takes": False, "active": False}
+        assert ONE_ROW_BLAS.active and ONE_ROW_BLAS.takes(x, weight) and torch.get_num_threads() == 1
+    finally:
+        ONE_ROW_BLAS.leave()
+    assert not ONE_ROW_BLAS.active

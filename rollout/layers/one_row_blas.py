@@ -16,7 +16,9 @@ calling thread's torch work to one thread, ends its OpenMP team's workers
 (`omp_pause_resource_all`) and gives OpenBLAS the thread count torch had; `leave()` stops
 OpenBLAS's workers (`blas_thread_shutdown_`) and gives torch its threads back. Each pool's
 workers restart on their next call (~35 µs). The model runner enters for one-row steps and
-leaves before any other; the engine leaves whenever it hands control back to its caller.
+leaves before any other; the engine leaves whenever it hands control back to its caller. The
+mode belongs to the thread that entered; other threads keep oneDNN meanwhile. Stopping
+OpenBLAS's workers assumes no other thread runs a threaded numpy BLAS call at that moment.
 
 Off (oneDNN for every CPU GEMM) unless numpy's BLAS is an OpenBLAS and torch's OpenMP runtime
 can pause, both found among the loaded libraries; ROLLOUT_CPU_OPENBLAS=0 turns it off."""
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from typing import Callable, Optional
 
 import numpy as np
@@ -93,6 +96,8 @@ class OneRowBlas:
     def __init__(self, threads: Optional[_Threads]) -> None:
         self._threads = threads
         self._torch_threads: Optional[int] = None  # torch's count while entered, else None
+        self._owner: Optional[int] = None  # the thread that entered: only it uses the mode
+        self._lock = threading.Lock()
         self._arrays: dict[tuple, np.ndarray] = {}  # (address, *shape) -> array over a weight
 
     @property
@@ -101,12 +106,17 @@ class OneRowBlas:
 
     @property
     def active(self) -> bool:
-        return self._torch_threads is not None
+        """Entered by the calling thread."""
+        return self._owner == threading.get_ident()
 
     def enter(self) -> None:
-        """One-row GEMMs from now on go to OpenBLAS with torch's threads; torch runs on one."""
-        if self._threads is None or self._torch_threads is not None:
-            return
+        """One-row GEMMs of the calling thread go to OpenBLAS with torch's threads from now on;
+        its torch work runs on one thread. A no-op while another thread holds the mode (two
+        engines stepping in two threads: the second keeps oneDNN)."""
+        with self._lock:
+            if self._threads is None or self._owner is not None:
+                return
+            self._owner = threading.get_ident()
         count = torch.get_num_threads()
         torch.set_num_threads(1)
         if count > 1:
@@ -115,19 +125,21 @@ class OneRowBlas:
         self._torch_threads = count
 
     def leave(self) -> None:
-        """Back to torch's threads, OpenBLAS's workers stopped. OpenBLAS keeps torch's thread
-        count (raising it back would start workers that spin)."""
-        count, self._torch_threads = self._torch_threads, None
-        if count is None:
+        """Back to torch's threads, OpenBLAS's workers stopped (if the calling thread entered).
+        OpenBLAS keeps torch's thread count (raising it back would start workers that spin)."""
+        if not self.active:
             return
+        count = self._torch_threads
         if count > 1:
             self._threads.stop_blas_workers()
         torch.set_num_threads(count)
+        with self._lock:
+            self._owner = self._torch_threads = None
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` computes x · weightᵀ: entered, one fp32 row, a contiguous 2-D fp32
         CPU weight."""
-        return (self._torch_threads is not None and x.dim() == 2 and x.shape[0] == 1
+        return (self._owner == threading.get_ident() and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype == torch.float32 and weight.dtype == torch.float32
                 and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.is_contiguous())
