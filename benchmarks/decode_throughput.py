@@ -170,6 +170,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--no-prefill-graphs", action="store_true",
+                   help="one-request prefills run eagerly (decode graphs stay)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -189,6 +191,7 @@ def run(args) -> dict:
     engine = Engine(EngineConfig(model_path=str(model_dir), device=args.device, dtype=args.dtype,
                                  attention_backend=args.attention_backend,
                                  cuda_graph=not args.no_cuda_graph,
+                                 cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
                                  max_running_requests=max(args.batch_sizes),
                                  kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
     _sync(args.device)

@@ -69,6 +69,11 @@ for stage in "$@"; do
     decode) run decode 480 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --out "$OUT/decode.json" ;;
+    # one-request prefill graphs on and off, batch 1, engine alone, alternated
+    prefill-ab) run prefill_ab 560 bash -c 'for r in on1 off1 on2 off2; do \
+              if [ ${r:0:2} = on ]; then F=; else F=--no-prefill-graphs; fi; python3 benchmarks/decode_throughput.py \
+              --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 --prompt-len 128 --new-tokens 128 \
+              --repeats 3 --skip-hf $F --out $OUT/prefill_$r.json; done' ;;
     # the batch-1 prefill's host time by Python function (cProfile), with its wall and GPU time
     prefill-host) run prefill_host 300 python3 benchmarks/prefill_host_profile.py --out "$OUT/prefill_host.txt" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;

@@ -154,6 +154,8 @@ GPU_PREFILL_TOKENS = 8192
 CPU_PREFILL_ACTIVATION_BYTES = 4 << 20
 CPU_PREFILL_TOKENS_RANGE = (128, 8192)
 PAUSE_MODES = ("abort", "retract", "in_place")
+# GPU: prefill graph sizes. Past ~512 tokens a prefill's GPU work outweighs its launch overhead.
+DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 
 
 @dataclass
@@ -177,6 +179,9 @@ class EngineConfig:
     seed: int = 0
     cuda_graph: bool = True
     cuda_graph_batch_sizes: Optional[tuple[int, ...]] = None
+    # one-request prefills of up to this many tokens replay a CUDA graph of the next size up
+    # (`prefill_graphs`); None: DEFAULT_PREFILL_GRAPH_TOKENS, (): none
+    cuda_graph_prefill_tokens: Optional[tuple[int, ...]] = None
     # Queue step N+1 before waiting for step N's tokens. None: on when device is a GPU and
     # tp_size is 1 (TP followers need the input ids on the host; on CPU nothing runs meanwhile).
     overlap_schedule: Optional[bool] = None
@@ -222,6 +227,11 @@ class EngineConfig:
             if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
                 raise ConfigError(f"cuda_graph_batch_sizes must be positive ints, got {sizes!r}")
             self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+        if self.cuda_graph_prefill_tokens is not None:
+            sizes = tuple(self.cuda_graph_prefill_tokens)
+            if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
+                raise ConfigError(f"cuda_graph_prefill_tokens must be positive ints, got {sizes!r}")
+            self.cuda_graph_prefill_tokens = tuple(sorted(set(sizes)))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -255,6 +265,12 @@ class EngineConfig:
         if self.cuda_graph_batch_sizes is not None:
             return self.cuda_graph_batch_sizes
         return (1, 2, 4, 8) + tuple(range(16, 257, 16))
+
+    @property
+    def graph_prefill_tokens(self) -> tuple[int, ...]:
+        if self.cuda_graph_prefill_tokens is not None:
+            return self.cuda_graph_prefill_tokens
+        return DEFAULT_PREFILL_GRAPH_TOKENS
 
 
 def _check_positive_int(name: str, value: Any) -> None:

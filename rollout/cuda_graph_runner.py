@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: one graph per batch size (model forward + logits), replayed with padding.
+"""Decode CUDA graphs: one graph per batch size (model forward + logits), replayed with padding;
+and the one-request prefill graphs of `prefill_graphs`, captured into the same memory pool.
 
 Every graph reads its inputs from one set of static buffers sized for the largest batch (a graph
 of size bs reads their first bs rows) and the attention backend's static metadata (its
@@ -20,11 +21,12 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
+from rollout.prefill_graphs import PrefillGraphs
 
 if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
@@ -77,16 +79,8 @@ class GraphInputs:
 def _packed_rows(fb: ForwardBatch, rows: int):
     """fb's first `rows` index fields as one [rows, bs] view when they are consecutive rows of
     one tensor (a decode batch from `build_decode_batch`), else None."""
-    first, bs = fb.input_ids, fb.batch_size
-    if first.dim() != 1 or first.stride(0) != 1 or first.numel() != bs:
-        return None
-    base, storage = first.storage_offset(), first.untyped_storage().data_ptr()
-    for i, name in enumerate(INDEX_FIELDS[:rows]):
-        t = getattr(fb, name)
-        if (t is None or t.dtype != first.dtype or t.stride(0) != 1 or t.numel() != bs
-                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != base + i * bs):
-            return None
-    return first.as_strided((rows, bs), (bs, 1))
+    packed = fb.stacked(INDEX_FIELDS[:rows])
+    return packed if packed is not None and packed.shape[1] == fb.batch_size else None
 
 
 class CudaGraphRunner:
@@ -107,13 +101,24 @@ class CudaGraphRunner:
         except NotImplementedError as e:
             logger.warning("CUDA graphs disabled: %s (decode runs eagerly)", e)
             self.enabled = False
+            self.prefill = None
             return
+        self.prefill = self._prefill_graphs()
         self.capture()
+
+    def _prefill_graphs(self) -> Optional[PrefillGraphs]:
+        mr = self.model_runner
+        sizes = mr.config.graph_prefill_tokens
+        if not sizes or not self.backend.supports_extend_graphs or mr.tp.size > 1:
+            return None
+        return PrefillGraphs(mr, sizes)
 
     def release(self) -> None:
         """Drop every graph and its outputs (their private pool is freed with them)."""
         self.graphs.clear()
         self.outputs.clear()
+        if self.prefill is not None:
+            self.prefill.release()
 
     def recapture(self) -> None:
         if self.enabled and not self.graphs:
@@ -126,6 +131,8 @@ class CudaGraphRunner:
         for bs in reversed(self.batch_sizes):  # largest first: the others fit in its pool
             self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        if self.prefill is not None:
+            self.prefill.capture(pool)
 
     def _capture_one(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         fb = self._static_batch(bs, [1] * bs)
@@ -161,11 +168,15 @@ class CudaGraphRunner:
 
     # ---- replay ---------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        return bool(self.graphs) and fb.forward_mode.is_decode and 0 < fb.batch_size <= self.max_bs
+        if not fb.forward_mode.is_decode:
+            return self.prefill is not None and self.prefill.can_run(fb)
+        return bool(self.graphs) and 0 < fb.batch_size <= self.max_bs
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [fb.batch_size, vocab] float32, as the eager forward would return them (with
         `fb.logits_read_at_once`: the graph's output buffer, valid until the next replay)."""
+        if not fb.forward_mode.is_decode:
+            return self.prefill.replay(fb)
         bs = fb.batch_size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         self.inputs.fill(fb, graph_bs)

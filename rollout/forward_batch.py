@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -68,6 +68,9 @@ class ForwardBatch:
     # the caller reads the logits before it runs another forward (the engine samples at once):
     # a decode graph may return its output buffer instead of a copy
     logits_read_at_once: bool = False
+    # rows past the request's extend length are padding (a prefill CUDA graph's static batch):
+    # the attention backend leaves them zero
+    padded_tokens: bool = False
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["TokenToKVPool"] = None
     attn_backend: Optional["AttentionBackend"] = None
@@ -88,6 +91,22 @@ class ForwardBatch:
     @property
     def max_extend_len(self) -> int:
         return max(self.extend_seq_lens_cpu, default=0)
+
+    def stacked(self, names: Sequence[str]) -> Optional[torch.Tensor]:
+        """The named index fields as one [len(names), n] view when they are consecutive, equally
+        long segments of one tensor (as the batch builders lay out a step's indices), else None:
+        a CUDA graph's static inputs then take them in one copy."""
+        first = getattr(self, names[0])
+        if first is None or first.dim() != 1 or first.stride(0) != 1:
+            return None
+        n, base, storage = first.numel(), first.storage_offset(), first.untyped_storage().data_ptr()
+        for i, name in enumerate(names):
+            t = getattr(self, name)
+            if (t is None or t.dtype != first.dtype or t.dim() != 1 or t.stride(0) != 1
+                    or t.numel() != n or t.untyped_storage().data_ptr() != storage
+                    or t.storage_offset() != base + i * n):
+                return None
+        return first.as_strided((len(names), n), (n, 1))
 
     def logits_indices(self) -> Optional[torch.Tensor]:
         """Rows of the hidden states whose logits are needed (None: all of them)."""

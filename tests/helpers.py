@@ -31,9 +31,9 @@ def require_runnable_triton(kernel) -> None:
 
 @torch.inference_mode()
 def eager_graph_capture(self) -> None:
-    """Stands in for `CudaGraphRunner.capture` without CUDA (monkeypatch it in): each "graph"
-    re-runs the forward eagerly on the static buffers, so replay reads exactly what a captured
-    graph would read."""
+    """Stands in for `CudaGraphRunner.capture` without CUDA (monkeypatch it in): each "graph",
+    decode or prefill, re-runs the forward eagerly on the static buffers, so replay reads
+    exactly what a captured graph would read."""
     from types import SimpleNamespace
     for bs in self.batch_sizes:
         fb = self._static_batch(bs, [1] * bs)
@@ -41,6 +41,12 @@ def eager_graph_capture(self) -> None:
         self.outputs[bs] = self._forward(fb)
         self.graphs[bs] = SimpleNamespace(
             replay=lambda fb=fb, bs=bs: self.outputs[bs].copy_(self._forward(fb)))
+    prefill = self.prefill
+    for size in prefill.token_sizes if prefill is not None else ():
+        fb = prefill.static_batch(size)
+        prefill.outputs[size] = prefill.forward(fb)
+        prefill.graphs[size] = SimpleNamespace(
+            replay=lambda fb=fb, size=size: prefill.outputs[size].copy_(prefill.forward(fb)))
 
 
 def hf_model(path: str, dtype=torch.float32):

@@ -239,6 +239,49 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     assert (g_logits - e_logits).abs().max().item() <= 1e-5
 
 
+def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
+    """One-request prefills replay the prefill graph of the next size up (padded rows write the
+    dummy slot and are dropped), fresh and after a cached prefix (a chunked prompt), with the
+    logits and the KV of the eager prefill: the decode steps after them agree too. Batches of
+    two requests, and prompt-logprob batches, stay eager."""
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
+               cuda_graph_batch_sizes=(1, 2), cuda_graph_prefill_tokens=(4, 8, 16))
+    graphed = RunnerDriver(path, **cfg)
+    runner = graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
+    eager = RunnerDriver(path, **cfg)
+    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [7] * 13, [2]):
+        replays = runner.prefill.num_replays
+        g_tokens, g_logits = greedy(graphed, [prompt], 3)
+        e_tokens, e_logits = greedy(eager, [prompt], 3)
+        assert runner.prefill.num_replays == replays + 1
+        assert g_tokens == e_tokens
+        assert (g_logits - e_logits).abs().max().item() <= 1e-5
+    # a cached prefix of 6 tokens, then 9 new ones: the graph of 16
+    replays = runner.prefill.num_replays
+    for driver in (graphed, eager):
+        driver.prefill([[4, 4, 2, 7, 1, 3]])
+        fb = build_batch(ForwardMode.EXTEND, driver.rows, [[5, 9, 8, 6, 1, 2, 2, 7, 3]], driver.lens,
+                         driver.alloc, DEV)
+        driver.lens = [15]
+        driver.chunked = driver.forward(fb)
+    assert (graphed.chunked - eager.chunked).abs().max().item() <= 1e-5
+    assert runner.prefill.num_replays == replays + 2
+    replays = runner.prefill.num_replays
+    two = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row(), graphed.alloc.alloc_row()],
+                      [[1, 2], [3]], [0, 0], graphed.alloc, DEV)
+    assert not runner.can_run(two)
+    long = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row()], [list(range(1, 18))], [0],
+                       graphed.alloc, DEV)
+    assert not runner.can_run(long)  # 17 tokens: past the largest graph
+    all_logits = dataclasses.replace(long, input_ids=long.input_ids[:3], return_all_logits=True)
+    assert not runner.can_run(all_logits)
+    assert runner.prefill.num_replays == replays
+
+
 def test_graph_inputs_fill_packed_and_per_field():
     """A decode batch's index fields are rows of one tensor: the static table takes them in one
     copy; separate tensors (a hand-made batch) go field by field; both pad rows bs..graph_bs."""
@@ -311,6 +354,25 @@ def test_cuda_graph_greedy_matches_eager(tiny_dirs):
     assert graphed.runner.graph_runner.num_replays >= 16
     assert g_tokens == e_tokens
     assert (g_logits - e_logits).abs().max().item() <= 1e-3
+
+
+@gpu
+def test_prefill_graphs_match_eager_prefill(tiny_dirs):
+    """Captured prefill graphs (default sizes) against the eager prefill: one-request prompts of
+    ragged lengths, then decode steps over the KV they wrote."""
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    graphed = graph_driver(path)
+    eager = RunnerDriver(path, device="cuda", attention_backend="triton",
+                         cuda_graph_batch_sizes=(1, 2, 4, 8), cuda_graph_prefill_tokens=())
+    prefill = graphed.runner.graph_runner.prefill
+    assert prefill is not None and eager.runner.graph_runner.prefill is None
+    for prompt in GRAPH_PROMPTS + [list(range(1, 300))]:
+        replays = prefill.num_replays
+        g_tokens, g_logits = greedy(graphed, [prompt], 6)
+        e_tokens, e_logits = greedy(eager, [prompt], 6)
+        assert prefill.num_replays == replays + 1
+        assert g_tokens == e_tokens
+        assert (g_logits - e_logits).abs().max().item() <= 1e-3
 
 
 @gpu

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # prefill CUDA graphs (`prefill_graphs`): the extend metadata is built from the batch's
+    # device tensors only, and padded token rows (`ForwardBatch.padded_tokens`) come out zero
+    supports_extend_graphs = False
+
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         """Build whatever the kernels need for this batch (called once per step)."""

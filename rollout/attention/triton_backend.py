@@ -36,9 +36,12 @@ class ExtendMetadata:
     extend_seq_lens: torch.Tensor  # [bs]
     extend_prefix_lens: torch.Tensor  # [bs]
     max_extend_len: int  # host int: sizes the launch grid
+    zero_padding: bool = False  # rows past the extend lengths are padding: a zeroed output
 
 
 class TritonBackend(AttentionBackend):
+    supports_extend_graphs = True
+
     def __init__(self, runner) -> None:
         mc = runner.model_config
         self.req_to_token = runner.req_to_token_pool.req_to_token
@@ -67,7 +70,8 @@ class TritonBackend(AttentionBackend):
         if prefix is None:
             prefix = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=self.device)
         start = torch.cumsum(ext, 0) - ext
-        return ExtendMetadata(fb.req_pool_indices, start, ext, prefix, fb.max_extend_len)
+        return ExtendMetadata(fb.req_pool_indices, start, ext, prefix, fb.max_extend_len,
+                              fb.padded_tokens)
 
     # ---- attention ------------------------------------------------------------------------
     def forward_extend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
@@ -75,7 +79,7 @@ class TritonBackend(AttentionBackend):
         return extend_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.extend_start_loc, m.extend_seq_lens, m.extend_prefix_lens,
-            m.max_extend_len, layer.scaling)
+            m.max_extend_len, layer.scaling, out=_zeros(q) if m.zero_padding else None)
 
     def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         m, pool = self.meta, fb.token_to_kv_pool
@@ -111,3 +115,7 @@ class TritonBackend(AttentionBackend):
         g.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         self.meta = DecodeMetadata(g.req_pool_indices[:bs], g.seq_lens[:bs], g.part_o[:bs],
                                    g.part_lse[:bs])
+
+
+def _zeros(q: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(q, memory_format=torch.contiguous_format)
