@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
+from rollout.graph_capture import capture_graph
 from rollout.prefill_graphs import PrefillGraphs
 
 if TYPE_CHECKING:
@@ -137,18 +138,7 @@ class CudaGraphRunner:
     def _capture_one(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_capture(fb)
-        # warm up outside the graph (Triton compiles, cuBLAS picks kernels) on a side stream,
-        # as torch.cuda.graph requires
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(fb)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self._forward(fb)
-        return graph, out
+        return capture_graph(lambda: self._forward(fb), pool)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         model = self.model_runner.model

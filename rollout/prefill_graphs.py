@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.forward_batch import ForwardBatch, ForwardMode
+from rollout.graph_capture import capture_graph
 
 if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
@@ -63,16 +64,7 @@ class PrefillGraphs:
 
     def _capture_one(self, size: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         fb = self.static_batch(size)
-        stream = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph requires
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(fb)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self.forward(fb)
-        return graph, out
+        return capture_graph(lambda: self.forward(fb), pool)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """What a graph runs: metadata from the static request row, the model on all `size` rows,
