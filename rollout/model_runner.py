@@ -120,7 +120,10 @@ class ModelRunner:
         if self.released:
             raise EngineNotReadyError(f"memory {sorted(self.released)} is released; call resume_memory")
         if self.device.type == "cpu":  # one-row GEMMs (a batch-1 decode) through OpenBLAS
-            ONE_ROW_BLAS.enter() if fb.num_tokens == 1 else ONE_ROW_BLAS.leave()
+            if fb.num_tokens == 1:
+                ONE_ROW_BLAS.enter()
+            else:
+                ONE_ROW_BLAS.leave()
         fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)

@@ -219,6 +219,8 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
         _config(load_format="pt"), ConfigError, "load_format must be 'auto' or 'dummy'"),
     "config: graph batch size 0": (
         _config(cuda_graph_batch_sizes=(0, 8)), ConfigError, "cuda_graph_batch_sizes"),
+    "config: prefill graph size True": (
+        _config(cuda_graph_prefill_tokens=(True, 64)), ConfigError, "cuda_graph_prefill_tokens"),
     "config: no model directory": (
         lambda c: Engine(EngineConfig(model_path=str(c.tmp / "nope"))), ConfigError, "config.json not found"),
     "config: KV budget of 1 token": (
