@@ -19,12 +19,12 @@ pytestmark = pytest.mark.skipif(not ONE_ROW_BLAS.available,
 @pytest.fixture()
 def gemv_calls(monkeypatch):
     calls = []
-    real = OneRowBlas.linear
+    real = OneRowBlas.gemv
 
-    def counted(self, x, weight, bias=None):
-        calls.append(tuple(weight.shape))
-        return real(self, x, weight, bias)
-    monkeypatch.setattr(OneRowBlas, "linear", counted)
+    def counted(x, array, bias=None):
+        calls.append(array.shape)
+        return real(x, array, bias)
+    monkeypatch.setattr(OneRowBlas, "gemv", staticmethod(counted))
     return calls
 
 
@@ -32,14 +32,18 @@ def test_one_row_gemm_matches_torch_and_the_mode_restores_threads():
     g = torch.Generator().manual_seed(0)
     weight, bias, x = (torch.randn(384, 256, generator=g), torch.randn(384, generator=g),
                        torch.randn(1, 256, generator=g))
+    square = torch.randn(256, 256, generator=g)
     threads = torch.get_num_threads()
-    assert not ONE_ROW_BLAS.takes(x, weight)  # only while entered
+    assert ONE_ROW_BLAS.array_for(x, weight) is None  # only while entered
     ONE_ROW_BLAS.enter()
     try:
-        assert torch.get_num_threads() == 1 and ONE_ROW_BLAS.takes(x, weight)
-        assert not ONE_ROW_BLAS.takes(torch.randn(2, 256), weight)  # one row only
-        assert not ONE_ROW_BLAS.takes(x, weight.t())  # a weight in place, not a view
-        got = ONE_ROW_BLAS.linear(x, weight, bias)
+        assert torch.get_num_threads() == 1
+        assert ONE_ROW_BLAS.array_for(torch.randn(2, 256), weight) is None  # one row only
+        assert ONE_ROW_BLAS.array_for(x, weight.double()) is None
+        # a transposed view has the address (and, square, the shape) of the weight: never its array
+        assert ONE_ROW_BLAS.array_for(x, square) is not None
+        assert ONE_ROW_BLAS.array_for(x, square.t()) is None
+        got = ONE_ROW_BLAS.gemv(x, ONE_ROW_BLAS.array_for(x, weight), bias)
     finally:
         ONE_ROW_BLAS.leave()
     assert torch.get_num_threads() == threads and not ONE_ROW_BLAS.active
@@ -104,7 +108,8 @@ def test_the_mode_belongs_to_the_thread_that_entered():
 
     def other():
         ONE_ROW_BLAS.enter()  # held by the main thread: a no-op here
-        seen["takes"], seen["active"] = ONE_ROW_BLAS.takes(x, weight), ONE_ROW_BLAS.active
+        seen["takes"] = ONE_ROW_BLAS.array_for(x, weight) is not None
+        seen["active"] = ONE_ROW_BLAS.active
         ONE_ROW_BLAS.leave()  # not this thread's to leave
     ONE_ROW_BLAS.enter()
     try:
@@ -112,7 +117,8 @@ def test_the_mode_belongs_to_the_thread_that_entered():
         worker.start()
         worker.join()
         assert seen == {"takes": False, "active": False}
-        assert ONE_ROW_BLAS.active and ONE_ROW_BLAS.takes(x, weight) and torch.get_num_threads() == 1
+        assert ONE_ROW_BLAS.active and torch.get_num_threads() == 1
+        assert ONE_ROW_BLAS.array_for(x, weight) is not None
     finally:
         ONE_ROW_BLAS.leave()
     assert not ONE_ROW_BLAS.active

@@ -98,7 +98,7 @@ class OneRowBlas:
         self._torch_threads: Optional[int] = None  # torch's count while entered, else None
         self._owner: Optional[int] = None  # the thread that entered: only it uses the mode
         self._lock = threading.Lock()
-        self._arrays: dict[tuple, np.ndarray] = {}  # (address, *shape) -> array over a weight
+        self._arrays: dict[tuple, Optional[np.ndarray]] = {}  # see array_for
 
     @property
     def available(self) -> bool:
@@ -136,31 +136,41 @@ class OneRowBlas:
         with self._lock:
             self._owner = self._torch_threads = None
 
-    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `linear` computes x · weightᵀ: entered, one fp32 row, a contiguous 2-D fp32
-        CPU weight."""
-        return (self._owner == threading.get_ident() and x.dim() == 2 and x.shape[0] == 1
-                and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
-                and weight.is_contiguous())
+    def array_for(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[np.ndarray]:
+        """The weight as a numpy array when this thread's mode computes x · weightᵀ (entered, x
+        one fp32 row, the weight a contiguous 2-D fp32 CPU tensor), else None. Checked per call
+        cheaply: an entry is keyed by everything that decides both the answer and the array
+        (address, shape, strides, dtype), so a weight is inspected once.
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [1, in] · weightᵀ (+ bias) → [1, out]: OpenBLAS's sgemv on the weight in place."""
-        out = torch.from_numpy(np.dot(self._array_of(weight), x.numpy()[0])).unsqueeze(0)
-        return out if bias is None else out.add_(bias)
-
-    def _array_of(self, weight: torch.Tensor) -> np.ndarray:
-        """A numpy array over the weight's memory. Not `weight.numpy()`: that marks the storage
-        unresizable for good, and releasing memory resizes weight storages to 0. Keyed by
-        address and shape, so an entry is only ever read while a tensor lives at that address."""
-        key = (weight.data_ptr(), *weight.shape)
-        array = self._arrays.get(key)
-        if array is None:
+        Not `weight.numpy()`: that marks the storage unresizable for good, and releasing memory
+        resizes weight storages to 0. An array over the memory is read only while a tensor of
+        that address and layout is passed in, i.e. lives there."""
+        if (self._owner != threading.get_ident() or x.shape[0] != 1 or x.dim() != 2
+                or x.dtype != torch.float32):
+            return None
+        key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype)
+        try:
+            return self._arrays[key]
+        except KeyError:
             if len(self._arrays) >= _MAX_ARRAYS:
                 self._arrays.clear()
-            pointer = ctypes.cast(weight.data_ptr(), ctypes.POINTER(ctypes.c_float))
-            array = self._arrays[key] = np.ctypeslib.as_array(pointer, shape=tuple(weight.shape))
-        return array
+            array = self._arrays[key] = _array_over(weight)
+            return array
+
+    @staticmethod
+    def gemv(x: torch.Tensor, array: np.ndarray, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [1, in] · weightᵀ (+ bias) → [1, out], `array` the weight's (`array_for`):
+        OpenBLAS's sgemv on the weight in place."""
+        out = torch.from_numpy(np.dot(array, x.numpy()[0])).unsqueeze(0)
+        return out if bias is None else out.add_(bias)
+
+
+def _array_over(weight: torch.Tensor) -> Optional[np.ndarray]:
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or not weight.is_contiguous()):
+        return None
+    pointer = ctypes.cast(weight.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    return np.ctypeslib.as_array(pointer, shape=tuple(weight.shape))
 
 
 def _make() -> OneRowBlas:

@@ -119,19 +119,20 @@ class DecoderLayer(nn.Module):
             residual = h + residual
             x = rms_norm_ref(residual, in_w, eps)
         n, packed = x.shape[0], self.packed
-        qk, v = cpu_linear(x, qkv_w, qkv_b, packed(qkv_w)).split([qk_size, kv_size], dim=-1)
+        qkv = cpu_linear(x, qkv_w, qkv_b, packed(qkv_w))
+        qk, v = qkv[:, :qk_size], qkv[:, qk_size:]  # slices: Tensor.split costs more in Python
         qk = qk.view(n, heads + kv_heads, head_dim)
         if q_norm is not None:
             qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
         apply_rotary_full_(qk, *rope)
-        q, k = qk.split([heads, kv_heads], dim=1)
+        q, k = qk[:, :heads], qk[:, heads:]
         out = fb.attn_backend.forward(q, k, v.view(n, kv_heads, head_dim), attn, fb)
         h = _row_linear(out.reshape(n, heads * head_dim), o_w, packed(o_w), tp,
                         self.self_attn.o_proj.bias)
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
-        if ONE_ROW_BLAS.takes(x, gu_w):
-            act = _silu_mul(ONE_ROW_BLAS.linear(x, gu_w), inter)
+        if (array := ONE_ROW_BLAS.array_for(x, gu_w)) is not None:
+            act = _silu_mul(ONE_ROW_BLAS.gemv(x, array), inter)
         elif (halves := packed.halves(gu_w, inter)) is not None:
             act = cpu_gate_up_silu(x, *halves)
         else:
@@ -155,8 +156,7 @@ class DecoderLayer(nn.Module):
 
 
 def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    gate, up = gate_up.split(inter, dim=-1)
-    return nn.functional.silu(gate).mul_(up)
+    return nn.functional.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
 
 def _row_linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor], tp: TPGroup,
