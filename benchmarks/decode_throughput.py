@@ -48,7 +48,9 @@ def engine_runner(engine: Engine, batch: int, args):
     """A function that runs one timed generate call of the engine; returns (tokens, seconds)."""
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
     prompts = prompts_for(batch, args.prompt_len, engine.model_config.vocab_size)
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    # warm-up at the timed batch size: Triton specialises integer arguments (a batch of 32 is
+    # divisible by 16, one of 2 is not), so a first call at a new size can compile kernels
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
 
     def call() -> tuple[int, float]:
         _sync(args.device)
@@ -67,8 +69,8 @@ def hf_runner(model, batch: int, args):
               temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     if args.hf_static_cache:
         kw["cache_implementation"] = "static"
-    with torch.no_grad():
-        model.generate(prompts[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+    with torch.no_grad():  # warm-up at the timed batch size too
+        model.generate(prompts, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
 
     @torch.no_grad()
     def call() -> tuple[int, float]:
