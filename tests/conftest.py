@@ -28,5 +28,14 @@ def tiny_dirs(tmp_path_factory):
     }
 
 
+@pytest.fixture(autouse=True)
+def _cpu_threads_back():
+    """A test that drives a ModelRunner by hand may leave the batch-1 CPU thread mode on
+    (`one_row_blas`); the next test starts with torch's threads either way."""
+    yield
+    from rollout.layers.one_row_blas import ONE_ROW_BLAS
+    ONE_ROW_BLAS.leave()
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()

@@ -87,5 +87,9 @@ class RunnerDriver:
         return self.forward(fb)
 
     def forward(self, fb) -> torch.Tensor:
-        """The one place a batch reaches the runner (a TP leader's driver announces it first)."""
-        return self.runner.forward(fb)
+        """The one place a batch reaches the runner (a TP leader's driver announces it first).
+        Like the engine, it hands CPU threads back before returning to the test."""
+        try:
+            return self.runner.forward(fb)
+        finally:
+            self.runner.release_cpu_threads()
