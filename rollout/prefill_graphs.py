@@ -1,9 +1,10 @@
 """CUDA graphs for one-request prefills, by padded token count.
 
 An eager prefill of one short prompt is bound by the host, not the GPU: for the Qwen2-1.5B
-shape, 128 prompt tokens take ~1.9 ms of GPU work but 15-28 ms of wall time, ~145 Triton
+shape, 128 prompt tokens take ~2 ms of GPU work but 15-29 ms of wall time: ~145 Triton
 launches through Triton's Python launcher, 84 cuBLAS calls and the model's Python around them.
-At batch 1 that is 8-14% of a 128-token `generate`. Replaying a graph costs one launch.
+At batch 1 that was 8-14% of a 128-token `generate`. Replaying a graph is one launch: that
+prefill takes 3.3 ms (batch-1 generate +9-11%, docs/BENCHMARKS.md).
 
 The graph of T tokens runs any one-request EXTEND batch of n <= T new tokens (after any cached
 prefix, so the chunks of a long prompt qualify too). Its static inputs are a [3, T] token table
