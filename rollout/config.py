@@ -223,15 +223,11 @@ class EngineConfig:
             raise ConfigError("overlap_schedule needs tp_size 1: TP followers take each step's input "
                               "ids from the leader's host copy")
         if self.cuda_graph_batch_sizes is not None:
-            sizes = tuple(self.cuda_graph_batch_sizes)
-            if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
-                raise ConfigError(f"cuda_graph_batch_sizes must be positive ints, got {sizes!r}")
-            self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+            self.cuda_graph_batch_sizes = _graph_sizes("cuda_graph_batch_sizes",
+                                                       self.cuda_graph_batch_sizes, allow_empty=False)
         if self.cuda_graph_prefill_tokens is not None:
-            sizes = tuple(self.cuda_graph_prefill_tokens)
-            if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
-                raise ConfigError(f"cuda_graph_prefill_tokens must be positive ints, got {sizes!r}")
-            self.cuda_graph_prefill_tokens = tuple(sorted(set(sizes)))
+            self.cuda_graph_prefill_tokens = _graph_sizes("cuda_graph_prefill_tokens",
+                                                          self.cuda_graph_prefill_tokens, allow_empty=True)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -271,6 +267,15 @@ class EngineConfig:
         if self.cuda_graph_prefill_tokens is not None:
             return self.cuda_graph_prefill_tokens
         return DEFAULT_PREFILL_GRAPH_TOKENS
+
+
+def _graph_sizes(name: str, value: Any, allow_empty: bool) -> tuple[int, ...]:
+    """CUDA graph sizes: positive ints (bools refused), sorted, each once."""
+    sizes = tuple(value)
+    if (not sizes and not allow_empty) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+        raise ConfigError(f"{name} must be positive ints, got {sizes!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def _check_positive_int(name: str, value: Any) -> None:

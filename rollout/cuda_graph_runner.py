@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # device tensors are rows of one [8, bs] tensor) go into the static table in one copy.
 PAD_VALUES = dict(input_ids=0, positions=0, out_cache_loc=0, token_req_pool_indices=0,
                   req_pool_indices=0, seq_lens=1)
-assert tuple(PAD_VALUES) == INDEX_FIELDS[:len(PAD_VALUES)]
+PAD_FIELDS = tuple(PAD_VALUES)
+assert PAD_FIELDS == INDEX_FIELDS[:len(PAD_FIELDS)]
 
 
 @dataclass
@@ -66,22 +67,9 @@ class GraphInputs:
     def fill(self, fb: ForwardBatch, graph_bs: int) -> None:
         """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values: one
         copy each when fb's indices are packed (as `build_decode_batch` makes them)."""
-        bs = fb.batch_size
-        packed = _packed_rows(fb, len(PAD_VALUES))
-        if packed is not None:
-            self.table[:, :bs].copy_(packed, non_blocking=True)
-        else:
-            for name in PAD_VALUES:
-                getattr(self, name)[:bs].copy_(getattr(fb, name), non_blocking=True)
+        bs = fb.copy_indices(self.table, PAD_FIELDS)
         if graph_bs > bs:
             self.table[:, bs:graph_bs].copy_(self.pad[:, bs:graph_bs])
-
-
-def _packed_rows(fb: ForwardBatch, rows: int):
-    """fb's first `rows` index fields as one [rows, bs] view when they are consecutive rows of
-    one tensor (a decode batch from `build_decode_batch`), else None."""
-    packed = fb.stacked(INDEX_FIELDS[:rows])
-    return packed if packed is not None and packed.shape[1] == fb.batch_size else None
 
 
 class CudaGraphRunner:

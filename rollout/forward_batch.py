@@ -108,6 +108,18 @@ class ForwardBatch:
                 return None
         return first.as_strided((len(names), n), (n, 1))
 
+    def copy_indices(self, dst: torch.Tensor, names: Sequence[str]) -> int:
+        """dst[i, :n] = the index field names[i] (all of one length n, returned): one copy when
+        they are `stacked`, else one per field. How a CUDA graph's static inputs are filled."""
+        src = self.stacked(names)
+        if src is not None:
+            dst[:, :src.shape[1]].copy_(src, non_blocking=True)
+            return src.shape[1]
+        n = getattr(self, names[0]).numel()
+        for row, name in zip(dst, names):
+            row[:n].copy_(getattr(self, name), non_blocking=True)
+        return n
+
     def logits_indices(self) -> Optional[torch.Tensor]:
         """Rows of the hidden states whose logits are needed (None: all of them)."""
         if self.forward_mode.is_decode or self.return_all_logits:

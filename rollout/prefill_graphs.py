@@ -107,17 +107,7 @@ class PrefillGraphs:
         return out if fb.logits_read_at_once else out.clone()
 
     def _fill(self, fb: ForwardBatch, n: int, size: int) -> None:
-        tokens = fb.stacked(TOKEN_FIELDS)
-        if tokens is not None:
-            self.tokens[:, :n].copy_(tokens, non_blocking=True)
-        else:
-            for i, name in enumerate(TOKEN_FIELDS):
-                self.tokens[i, :n].copy_(getattr(fb, name), non_blocking=True)
+        fb.copy_indices(self.tokens, TOKEN_FIELDS)
         if size > n:
             self.tokens[:, n:size].zero_()
-        request = fb.stacked(REQUEST_FIELDS)
-        if request is not None:
-            self.request.copy_(request.view(-1), non_blocking=True)
-        else:
-            for i, name in enumerate(REQUEST_FIELDS):
-                self.request[i:i + 1].copy_(getattr(fb, name), non_blocking=True)
+        fb.copy_indices(self.request.view(len(REQUEST_FIELDS), 1), REQUEST_FIELDS)

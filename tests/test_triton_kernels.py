@@ -286,16 +286,16 @@ def test_graph_inputs_fill_packed_and_per_field():
     """A decode batch's index fields are rows of one tensor: the static table takes them in one
     copy; separate tensors (a hand-made batch) go field by field; both pad rows bs..graph_bs."""
     from rollout.batch_builder import build_decode_batch
-    from rollout.cuda_graph_runner import PAD_VALUES, GraphInputs, _packed_rows
+    from rollout.cuda_graph_runner import PAD_FIELDS, PAD_VALUES, GraphInputs
     from rollout.kv_allocator import KVAllocator
     alloc = KVAllocator(8, 256, 64)
     rows = [alloc.alloc_row() for _ in range(3)]
     fb = build_decode_batch(rows, [11, 12, 13], [4, 9, 2], alloc, torch.device("cpu"))
     want = torch.stack([getattr(fb, name) for name in PAD_VALUES])
-    assert torch.equal(_packed_rows(fb, len(PAD_VALUES)), want)
+    assert torch.equal(fb.stacked(PAD_FIELDS), want)
     pads = torch.tensor(list(PAD_VALUES.values())).view(-1, 1).expand(-1, 5)
     for batch in (fb, dataclasses.replace(fb, positions=fb.positions.clone())):
-        assert (_packed_rows(batch, len(PAD_VALUES)) is None) == (batch is not fb)
+        assert (batch.stacked(PAD_FIELDS) is None) == (batch is not fb)
         inputs = GraphInputs.allocate(8, torch.device("cpu"))
         inputs.table.fill_(-1)
         inputs.fill(batch, 8)
