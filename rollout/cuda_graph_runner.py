@@ -64,6 +64,10 @@ class GraphInputs:
         table = pad.clone()
         return cls(table, pad, *table.unbind(0))
 
+    def reset(self) -> None:
+        """Every row back to the padded-row values."""
+        self.table.copy_(self.pad)
+
     def fill(self, fb: ForwardBatch, graph_bs: int) -> None:
         """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values: one
         copy each when fb's indices are packed (as `build_decode_batch` makes them)."""
@@ -114,8 +118,17 @@ class CudaGraphRunner:
             self.capture()
 
     # ---- capture --------------------------------------------------------------------------
-    @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every graph, from idle static inputs: after replays they hold the last real
+        batch (a prefill's token count, real KV slots), which a capture's warm-up forward would
+        read and write."""
+        self.inputs.reset()
+        if self.prefill is not None:
+            self.prefill.reset_inputs()
+        self._capture_graphs()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):  # largest first: the others fit in its pool
             self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)

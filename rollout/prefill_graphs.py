@@ -59,6 +59,11 @@ class PrefillGraphs:
             self.graphs[size], self.outputs[size] = self._capture_one(size, pool)
         logger.info("captured prefill CUDA graphs for %s tokens", self.token_sizes)
 
+    def reset_inputs(self) -> None:
+        """The idle token table and request row (before a capture)."""
+        self.tokens.zero_()
+        self.request.copy_(torch.tensor(IDLE_REQUEST, dtype=torch.int64))
+
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()

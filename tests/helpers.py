@@ -31,7 +31,7 @@ def require_runnable_triton(kernel) -> None:
 
 @torch.inference_mode()
 def eager_graph_capture(self) -> None:
-    """Stands in for `CudaGraphRunner.capture` without CUDA (monkeypatch it in): each "graph",
+    """Stands in for `CudaGraphRunner._capture_graphs` without CUDA (monkeypatch it in): each "graph",
     decode or prefill, re-runs the forward eagerly on the static buffers, so replay reads
     exactly what a captured graph would read."""
     from types import SimpleNamespace

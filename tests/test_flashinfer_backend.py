@@ -276,7 +276,7 @@ def test_graph_hooks_with_fake_flashinfer(fake_flashinfer, tiny_dirs, monkeypatc
     eagerly on the static buffers; the graph-mode wrappers read the static index buffers."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     path = tiny_dirs["Qwen3ForCausalLM"]
     cfg = dict(device="cpu", attention_backend="flashinfer", cuda_graph=False)
     graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)

@@ -226,7 +226,7 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     exactly what a captured graph would read."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     path = tiny_dirs["Qwen3ForCausalLM"]
     cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
     graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)
@@ -246,7 +246,7 @@ def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
     two requests, and prompt-logprob batches, stay eager."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     path = tiny_dirs["Qwen2ForCausalLM"]
     cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
                cuda_graph_batch_sizes=(1, 2), cuda_graph_prefill_tokens=(4, 8, 16))
@@ -280,6 +280,15 @@ def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
     all_logits = dataclasses.replace(long, input_ids=long.input_ids[:3], return_all_logits=True)
     assert not runner.can_run(all_logits)
     assert runner.prefill.num_replays == replays
+    # captured again after replays (memory resume, a prefetch change): from idle static inputs,
+    # not the last prefill's 9-token request row (its index 8 is past the 4-token graph's rows)
+    runner.release()
+    runner.recapture()
+    assert runner.inputs.table.equal(runner.inputs.pad)
+    g_tokens, g_logits = greedy(graphed, [[6, 1, 2]], 2)
+    e_tokens, e_logits = greedy(eager, [[6, 1, 2]], 2)
+    assert runner.prefill.num_replays == replays + 1
+    assert g_tokens == e_tokens and (g_logits - e_logits).abs().max().item() <= 1e-5
 
 
 def test_graph_inputs_fill_packed_and_per_field():
@@ -309,7 +318,7 @@ def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):
     next forward (the engine's sampling); anyone else gets a copy that later replays leave alone."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
-    monkeypatch.setattr(CudaGraphRunner, "capture", eager_graph_capture)
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
     driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], cuda_graph_batch_sizes=(1, 2, 4), **cfg)
     runner = driver.runner.graph_runner = CudaGraphRunner(driver.runner)
