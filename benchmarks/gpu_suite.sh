@@ -28,7 +28,7 @@ for stage in "$@"; do
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
     smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py \
               tests/test_overlap_schedule.py tests/test_triton_gemv.py tests/test_triton_sampler.py \
-              tests/test_triton_pdl.py tests/test_l2_prefetch.py -p no:cacheprovider ;;
+              tests/test_triton_pdl.py -p no:cacheprovider ;;
     # the fused Triton sampler on and off (ROLLOUT_FUSED_SAMPLER), engine alone
     sampler-ab) run sampler_ab 300 bash -c 'for s in 1 0; do ROLLOUT_FUSED_SAMPLER=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
@@ -76,9 +76,6 @@ for stage in "$@"; do
               --repeats 3 --skip-hf $F --out $OUT/prefill_$r.json; done' ;;
     # the batch-1 prefill's host time by Python function (cProfile), with its wall and GPU time
     prefill-host) run prefill_host 300 python3 benchmarks/prefill_host_profile.py --out "$OUT/prefill_host.txt" ;;
-    # the decode step's L2 weight prefetch at several budgets, A/B in one process
-    l2-ab) run l2_ab 540 python3 benchmarks/gpu_l2_prefetch.py --budgets-mb ${BUDGETS:-0 8 16 24 32 40} \
-              --rounds 2 --out "$OUT/l2_prefetch.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \

@@ -156,8 +156,6 @@ CPU_PREFILL_TOKENS_RANGE = (128, 8192)
 PAUSE_MODES = ("abort", "retract", "in_place")
 # GPU: prefill graph sizes. Past ~512 tokens a prefill's GPU work outweighs its launch overhead.
 DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
-# GPU decode: share of the L2 cache a layer's weight prefetch may fill (measured: BENCHMARKS.md)
-DEFAULT_L2_PREFETCH_FRACTION = 0.5
 
 
 @dataclass
@@ -184,10 +182,6 @@ class EngineConfig:
     # one-request prefills of up to this many tokens replay a CUDA graph of the next size up
     # (`prefill_graphs`); None: DEFAULT_PREFILL_GRAPH_TOKENS, (): none
     cuda_graph_prefill_tokens: Optional[tuple[int, ...]] = None
-    # GPU decode: MiB of each layer's o / gate-up / down weights prefetched into L2 while its
-    # attention kernels run (`l2_prefetch`). None: DEFAULT_L2_PREFETCH_FRACTION of the GPU's L2
-    # cache; 0: off
-    decode_l2_prefetch_mb: Optional[float] = None
     # Queue step N+1 before waiting for step N's tokens. None: on when device is a GPU and
     # tp_size is 1 (TP followers need the input ids on the host; on CPU nothing runs meanwhile).
     overlap_schedule: Optional[bool] = None
@@ -228,12 +222,6 @@ class EngineConfig:
         if self.overlap_schedule and self.tp_size > 1:
             raise ConfigError("overlap_schedule needs tp_size 1: TP followers take each step's input "
                               "ids from the leader's host copy")
-        if self.decode_l2_prefetch_mb is not None and (
-                isinstance(self.decode_l2_prefetch_mb, bool)
-                or not isinstance(self.decode_l2_prefetch_mb, (int, float))
-                or not 0 <= self.decode_l2_prefetch_mb < 1024):
-            raise ConfigError("decode_l2_prefetch_mb must be None or a number of MiB in [0, 1024), "
-                              f"got {self.decode_l2_prefetch_mb!r}")
         if self.cuda_graph_batch_sizes is not None:
             self.cuda_graph_batch_sizes = _graph_sizes("cuda_graph_batch_sizes",
                                                        self.cuda_graph_batch_sizes, allow_empty=False)
@@ -267,12 +255,6 @@ class EngineConfig:
         tokens = 1 << max(0, (CPU_PREFILL_ACTIVATION_BYTES // per_token).bit_length() - 1)
         low, high = CPU_PREFILL_TOKENS_RANGE
         return min(high, max(low, tokens))
-
-    def l2_prefetch_bytes(self, l2_cache_bytes: int) -> int:
-        """Bytes of weights a decoder layer prefetches into L2 during its attention kernels."""
-        if self.decode_l2_prefetch_mb is not None:
-            return int(self.decode_l2_prefetch_mb * 2**20)
-        return int(DEFAULT_L2_PREFETCH_FRACTION * l2_cache_bytes)
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

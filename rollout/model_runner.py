@@ -53,19 +53,6 @@ class ModelRunner:
             self.init_dummy_weights()
         else:
             self.load_checkpoint(self.config.model_path)
-        if self.device.type == "cuda":
-            l2 = torch.cuda.get_device_properties(self.device).L2_cache_size
-            self.model.set_l2_prefetch(self.config.l2_prefetch_bytes(l2))
-
-    def set_l2_prefetch(self, budget_bytes: int) -> None:
-        """Change the decode step's per-layer L2 weight prefetch (`l2_prefetch`; 0: off) and
-        capture the CUDA graphs again, which hold the old launches (benchmarks: A/B in one
-        process)."""
-        self.model.set_l2_prefetch(budget_bytes)
-        if self.graph_runner is not None and self.graph_runner.graphs:
-            torch.cuda.synchronize(self.device)
-            self.graph_runner.release()
-            self.graph_runner.recapture()
 
     @torch.inference_mode()
     def init_dummy_weights(self, seed: int = 0) -> None:

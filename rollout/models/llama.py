@@ -32,7 +32,6 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.heads, self.kv_heads, d)
-        self.l2_prefetch = None  # a LayerPrefetch, set by the decoder layer (GPU decode)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -52,8 +51,6 @@ class DecoderAttention(nn.Module):
             triton_ops.apply_rotary_inplace(
                 qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None)
             kv_stored = target is not None
-            if self.l2_prefetch is not None and fb.forward_mode.is_decode:
-                self.l2_prefetch()  # weights of o / gate-up / down into L2 under the attention
         else:
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
@@ -107,14 +104,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(rope, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-    def set_l2_prefetch(self, budget_bytes: int) -> None:
-        """Decode on a GPU: prefetch this layer's o, gate/up and down weights (in that order,
-        `budget_bytes` in all) into L2 after its rotary kernel (`l2_prefetch`)."""
-        from rollout.l2_prefetch import LayerPrefetch
-        self.self_attn.l2_prefetch = LayerPrefetch.for_layer(
-            self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-            budget_bytes)
 
     def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                     residual: Optional[torch.Tensor],
@@ -223,10 +212,6 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
-
-    def set_l2_prefetch(self, budget_bytes: int) -> None:
-        for layer in self.model.layers:
-            layer.set_l2_prefetch(budget_bytes)
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         rows = fb.logits_indices()
