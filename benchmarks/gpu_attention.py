@@ -82,7 +82,7 @@ def main() -> None:
     for batch in BATCHES:
         case = make_case(batch, gen)
         ref = reference(case, 0, scale)
-        bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda", KV_HEADS)
+        bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda")
         out = torch.empty_like(case["q"])
         current = decode_launch_config(batch)
         configs = [current] + [c for c in grid if c != current]

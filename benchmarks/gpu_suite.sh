@@ -76,11 +76,6 @@ for stage in "$@"; do
               --repeats 3 --skip-hf $F --out $OUT/prefill_$r.json; done' ;;
     # the batch-1 prefill's host time by Python function (cProfile), with its wall and GPU time
     prefill-host) run prefill_host 300 python3 benchmarks/prefill_host_profile.py --out "$OUT/prefill_host.txt" ;;
-    # the decode attention's merge in the split kernel (last program per group) or as its own
-    # kernel (ROLLOUT_FUSED_ATTN_MERGE), engine alone, processes alternated
-    merge-ab) run merge_ab 560 bash -c 'for r in 1a 0a 1b 0b; do ROLLOUT_FUSED_ATTN_MERGE=${r:0:1} python3 \
-              benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 128 \
-              --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf --out $OUT/merge_$r.json; done' ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \

@@ -85,66 +85,13 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     q = torch.randn(len(SEQ_LENS), 4, head_dim, device=DEV)
     scale = head_dim ** -0.5
     # NaN scratch: the splits a short sequence leaves empty must not leak into the result
-    scratch = decode.decode_buffers(len(SEQ_LENS), 4, head_dim, num_splits, DEV, kv_heads=2)
-    scratch.part_o.fill_(float("nan"))
-    scratch.part_lse.fill_(float("nan"))
+    scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
+        len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
     out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
                            torch.tensor(SEQ_LENS, device=DEV), scale, decode.DecodeConfig(num_splits),
                            buffers=scratch)
     expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
     assert (out - expected).abs().max().item() <= 1e-4
-
-
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_fused_merge_equals_the_merge_kernel(num_splits, monkeypatch):
-    """The last split program of each (request, KV head) merges in the launch: bit for bit the
-    separate merge kernel's output, and its arrival counters are back at 0 for the next launch."""
-    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=16)
-    q = torch.randn(len(SEQ_LENS), 6, 16, device=DEV)
-    lens = torch.tensor(SEQ_LENS, device=DEV)
-    scratch = decode.decode_buffers(len(SEQ_LENS), 6, 16, num_splits, DEV, kv_heads=2)
-    cfg = decode.DecodeConfig(num_splits)
-    assert decode.FUSED_MERGE
-    fused = [decode_attention(q, p.k, p.v, p.req_to_token, p.rows, lens, 0.25, cfg, scratch)
-             for _ in range(2)]
-    assert scratch.arrivals.eq(0).all()
-    monkeypatch.setattr(decode, "FUSED_MERGE", False)
-    separate = decode_attention(q, p.k, p.v, p.req_to_token, p.rows, lens, 0.25, cfg, scratch)
-    assert torch.equal(fused[0], separate) and torch.equal(fused[1], separate)
-    with pytest.raises(ValueError, match="arrival counters"):
-        decode_attention(q, p.k, p.v, p.req_to_token, p.rows, lens, 0.25, cfg,
-                         decode.decode_buffers(len(SEQ_LENS), 6, 16, num_splits, DEV, kv_heads=1))
-
-
-@gpu
-def test_decode_fused_merge_in_a_graph_under_load(monkeypatch):
-    """Many programs racing to the counters, replayed in a CUDA graph (bf16, 128 requests of
-    1-300 keys, 8 splits): every replay equals the separate merge kernel's output."""
-    gen = torch.Generator().manual_seed(3)
-    lens_cpu = torch.randint(1, 301, (128,), generator=gen).tolist()
-    p = make_paged(lens_cpu, [n - 1 for n in lens_cpu], kv_heads=2, head_dim=128,
-                   dtype=torch.bfloat16)
-    q = torch.randn(128, 12, 128, generator=gen).to(DEV, torch.bfloat16)
-    lens = torch.tensor(lens_cpu, device=DEV)
-    scratch = decode.decode_buffers(128, 12, 128, 8, DEV, kv_heads=2)
-    out = torch.empty_like(q)
-
-    def attend():
-        return decode_attention(q, p.k, p.v, p.req_to_token, p.rows, lens, 0.088,
-                                decode.DecodeConfig(8), scratch, out)
-    attend()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend()
-    replays = []
-    for _ in range(20):
-        graph.replay()
-        replays.append(out.clone())
-    monkeypatch.setattr(decode, "FUSED_MERGE", False)
-    separate = attend().clone()
-    assert all(torch.equal(r, separate) for r in replays)
-    assert scratch.arrivals.eq(0).all()
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -153,7 +100,7 @@ def test_decode_kernel_launch_configs_match_reference(block_n):
     scratch larger than the splits used, as the backend allocates it."""
     p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=16)
     q = torch.randn(len(SEQ_LENS), 4, 16, device=DEV)
-    scratch = decode.decode_buffers(len(SEQ_LENS), 4, 16, 8, DEV, kv_heads=2)
+    scratch = decode.decode_buffers(len(SEQ_LENS), 4, 16, 8, DEV)
     cfg = decode.DecodeConfig(splits=3, block_n=block_n, num_warps=2, num_stages=2)
     out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
                            0.25, buffers=scratch, config=cfg)
@@ -161,7 +108,7 @@ def test_decode_kernel_launch_configs_match_reference(block_n):
     assert (out - expected).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match="splits"):
         decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
-                         0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV, 2), config=cfg)
+                         0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV), config=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -207,8 +154,7 @@ def backend_outputs(p: Paged, mode: ForwardMode, heads: int, head_dim: int, seed
     fb = batch_for(p, mode, ext)
     runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=p.req_to_token), device=DEV,
-        model_config=SimpleNamespace(num_attention_heads=heads, head_dim=head_dim,
-                                     num_key_value_heads=p.k.shape[1]),
+        model_config=SimpleNamespace(num_attention_heads=heads, head_dim=head_dim),
         tp=SimpleNamespace(size=1))
     layer = SimpleNamespace(layer_id=0, scaling=head_dim ** -0.5, num_heads=heads,
                             num_kv_heads=p.k.shape[1])

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeScratch, decode_attention,
-                                                      decode_buffers, decode_launch_config)
+from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
+                                                      decode_launch_config)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 class DecodeMetadata:
     req_pool_indices: torch.Tensor  # [bs] request row of each query
     seq_lens: torch.Tensor  # [bs] keys per request, the new token included
-    scratch: DecodeScratch  # the kernel's partials and merge counters, shared by all layers
+    part_o: torch.Tensor  # [bs, heads, splits, head_dim] fp32 scratch, shared by all layers
+    part_lse: torch.Tensor  # [bs, heads, splits] fp32 scratch
 
 
 @dataclass
@@ -45,7 +46,6 @@ class TritonBackend(AttentionBackend):
         mc = runner.model_config
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.num_heads = mc.num_attention_heads // runner.tp.size
-        self.num_kv_heads = mc.num_key_value_heads // runner.tp.size
         self.head_dim = mc.head_dim
         self.device = runner.device
         # At most this many KV splits (the scratch's size); `decode_config` picks per batch. The
@@ -57,9 +57,9 @@ class TritonBackend(AttentionBackend):
     # ---- per-batch metadata ---------------------------------------------------------------
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode:
-            scratch = decode_buffers(fb.batch_size, self.num_heads, self.head_dim,
-                                     self.num_kv_splits, self.device, self.num_kv_heads)
-            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch)
+            bufs = decode_buffers(fb.batch_size, self.num_heads, self.head_dim, self.num_kv_splits,
+                                  self.device)
+            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, *bufs)
         else:
             self.meta = self._extend_metadata(fb)
 
@@ -86,7 +86,7 @@ class TritonBackend(AttentionBackend):
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.seq_lens, layer.scaling,
-            buffers=m.scratch, config=self.decode_config(q.shape[0]))
+            buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]))
 
     def decode_config(self, batch: int) -> DecodeConfig:
         """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA
@@ -100,9 +100,8 @@ class TritonBackend(AttentionBackend):
         """Static metadata for graphs of up to `max_bs` requests; graph of size bs reads [:bs]."""
         rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)  # >= 1: kernel contract
-        scratch = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits,
-                                 self.device, self.num_kv_heads)
-        self.graph_meta = DecodeMetadata(rows, lens, scratch)
+        bufs = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits, self.device)
+        self.graph_meta = DecodeMetadata(rows, lens, *bufs)
 
     def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
         self.init_forward_metadata_replay(fb)
@@ -114,8 +113,8 @@ class TritonBackend(AttentionBackend):
         g, bs = self.graph_meta, fb.batch_size
         g.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
         g.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self.meta = DecodeMetadata(g.req_pool_indices[:bs], g.seq_lens[:bs],
-                                   DecodeScratch(*(t[:bs] for t in g.scratch)))
+        self.meta = DecodeMetadata(g.req_pool_indices[:bs], g.seq_lens[:bs], g.part_o[:bs],
+                                   g.part_lse[:bs])
 
 
 def _zeros(q: torch.Tensor) -> torch.Tensor:

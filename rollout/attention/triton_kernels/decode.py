@@ -1,20 +1,15 @@
 """Split-KV decode attention over the paged KV cache (one new query token per request).
 
-One program per (request, KV head, KV split) scores the query heads of that KV head (GQA
-group, padded to BLOCK_H rows so they share one tl.dot and one read of K/V) against its share
-of the request's keys, and leaves a normalised partial output plus its log-sum-exp. The splits
-are merged in the same launch: each program counts itself in on its (request, KV head)'s
-arrival counter, and the last to arrive merges the group's splits, in split order (so the result
-does not depend on which program is last), and sets the counter back to 0 for the next launch.
-Splitting the keys keeps the GPU busy when the batch is small and the sequences long; the number
-of splits is a constant, so the launch grid depends on the batch size only (what a CUDA graph
-needs). `ROLLOUT_FUSED_ATTN_MERGE=0`: the merge as a second kernel, one program per (request,
-head), as before (same sums in the same order: the same bits).
+Stage 1: one program per (request, KV head, KV split) scores the query heads of that KV head
+(GQA group, padded to BLOCK_H rows so they share one tl.dot and one read of K/V) against its
+share of the request's keys, and leaves a normalised partial output plus its log-sum-exp.
+Stage 2: one program per (request, head) merges the splits. Splitting the keys keeps the GPU
+busy when the batch is small and the sequences long; the number of splits is a constant, so
+the launch grid depends on the batch size only (what a CUDA graph needs).
 
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -26,7 +21,6 @@ from rollout.triton_pdl import launch_options, pdl_wait
 
 BLOCK_N = 32  # keys per inner step (default)
 MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
-FUSED_MERGE = os.environ.get("ROLLOUT_FUSED_ATTN_MERGE", "1") != "0"
 
 
 class DecodeConfig(NamedTuple):
@@ -38,51 +32,14 @@ class DecodeConfig(NamedTuple):
     num_stages: int = 3
 
 
-class DecodeScratch(NamedTuple):
-    """Per-batch scratch of the decode kernel (`decode_buffers`)."""
-    part_o: torch.Tensor  # [batch, heads, splits, head_dim] float32
-    part_lse: torch.Tensor  # [batch, heads, splits] float32
-    arrivals: torch.Tensor  # [batch, kv_heads] int32, 0 between launches
-
-
-@triton.jit
-def _merge_splits(PartO, PartLse, b, heads, h_mask, offs_d, d_mask, seq_len,
-                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-    """The splits' partial outputs of `heads` merged by their log-sum-exps, in split order:
-    [len(heads), BLOCK_D] float32. CACHE ".cg": read past L1 (what other programs of this
-    launch wrote)."""
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    m_i = tl.full(heads.shape, float("-inf"), tl.float32)
-    l_i = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros([heads.shape[0], BLOCK_D], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        # empty splits were never written (garbage, maybe NaN): they must weigh exactly 0
-        valid = split * split_len < seq_len
-        lse = tl.load(PartLse + b * stride_lb + heads * stride_lh + split, mask=h_mask,
-                      other=float("-inf"), cache_modifier=CACHE)
-        lse = tl.where(valid, lse, float("-inf"))
-        part = tl.load(PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-                       + offs_d[None, :], mask=h_mask[:, None] & d_mask[None, :], other=0.0,
-                       cache_modifier=CACHE)
-        part = tl.where(valid, part, 0.0)  # not `valid & mask`: the interpreter mistypes it
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp(m_i - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        l_i = l_i * alpha + w
-        m_i = m_new
-    return acc / l_i[:, None]
-
-
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Arrivals, O, sm_scale,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ab, stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
@@ -92,12 +49,12 @@ def _decode_partial_kernel(
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    offs_g = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_g
-    h_mask = offs_g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    if start < end:  # short sequences leave the last splits empty; the merge skips them
+    if start < end:  # short sequences leave the last splits empty; stage 2 skips them
+        offs_g = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_g
+        h_mask = offs_g < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
@@ -124,18 +81,6 @@ def _decode_partial_kernel(
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
         tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_mask)
-    if MERGE:
-        # every thread's partial stores before the one release below; the last program's
-        # reads after its acquire (and past L1)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Arrivals + b * stride_ab + kv_head, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            tl.atomic_xchg(Arrivals + b * stride_ab + kv_head, 0, sem="relaxed")
-            out = _merge_splits(PartO, PartLse, b, heads, h_mask, offs_d, d_mask, seq_len,
-                                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                                NUM_SPLITS, BLOCK_D, ".cg")
-            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(O.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -145,18 +90,32 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """The merge as its own launch (`FUSED_MERGE` off): one program per (request, head)."""
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
-    heads = tl.program_id(1) + tl.arange(0, 1)
+    head = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    out = _merge_splits(PartO, PartLse, b, heads, heads >= 0, offs_d, d_mask, seq_len,
-                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                        NUM_SPLITS, BLOCK_D, "")
-    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=d_mask[None, :])
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        # empty splits were never written (garbage, maybe NaN): they must weigh exactly 0
+        valid = split * split_len < seq_len
+        lse = tl.load(PartLse + b * stride_lb + head * stride_lh + split, mask=valid,
+                      other=float("-inf"))
+        part = tl.load(PartO + b * stride_pb + head * stride_ph + split * stride_ps + offs_d,
+                       mask=d_mask, other=0.0)
+        part = tl.where(valid, part, 0.0)  # not `valid & d_mask`: the interpreter mistypes it
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha + w * part
+        l_i = l_i * alpha + w
+        m_i = m_new
+    tl.store(O + b * stride_ob + head * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty),
+             mask=d_mask)
 
 
 def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
@@ -175,58 +134,46 @@ def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
 
 
 def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
-                   device: torch.device, kv_heads: int = 1) -> DecodeScratch:
-    """Scratch for the partial results (float32) and the merge's arrival counters (zeroed: the
-    kernel leaves them 0). Allocate once per batch (or once for a CUDA graph)."""
-    return DecodeScratch(
-        torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device),
-        torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device),
-        torch.zeros(batch, kv_heads, dtype=torch.int32, device=device))
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the partial results: out [batch, heads, splits, head_dim] and lse
+    [batch, heads, splits], float32. Allocate once per batch (or once for a CUDA graph)."""
+    part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
                      config: DecodeConfig = DecodeConfig(),
-                     buffers: DecodeScratch | None = None,
+                     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
     [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
-    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits and
-    KV heads."""
+    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits."""
     group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
-    kv_heads = k_buffer.shape[1]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
     num_splits = config.splits
-    part_o, part_lse, arrivals = buffers or decode_buffers(batch, heads, head_dim, num_splits,
-                                                           q.device, kv_heads)
+    part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
-    if arrivals.shape[0] < batch or arrivals.shape[1] < kv_heads:
-        raise ValueError(f"arrival counters for {tuple(arrivals.shape)} (batch, KV heads), "
-                         f"{(batch, kv_heads)} asked")
     block_d = block_dmodel(head_dim)
-    fused = FUSED_MERGE
-    _decode_partial_kernel[(batch, kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
-        arrivals, out, sm_scale,
+    _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        arrivals.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), MERGE=fused,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options())
-    if not fused:
-        _decode_reduce_kernel[(batch, heads)](
-            part_o, part_lse, seq_lens, out,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
-            part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
-            **launch_options())
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options())
+    _decode_reduce_kernel[(batch, heads)](
+        part_o, part_lse, seq_lens, out,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **launch_options())
     return out
