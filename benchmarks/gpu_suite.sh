@@ -76,6 +76,9 @@ for stage in "$@"; do
               --repeats 3 --skip-hf $F --out $OUT/prefill_$r.json; done' ;;
     # the batch-1 prefill's host time by Python function (cProfile), with its wall and GPU time
     prefill-host) run prefill_host 300 python3 benchmarks/prefill_host_profile.py --out "$OUT/prefill_host.txt" ;;
+    # batch 1: the one-row qkv / o GEMV launch configs (preload of the weight before the PDL
+    # wait, block_n, warps), variants alternated (VARIANTS: see the script)
+    preload-ab) run preload_ab 560 bash benchmarks/gpu_preload_ab.sh ${ROUNDS:-2} ${VARIANTS:-} ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \

@@ -173,6 +173,11 @@ def test_release_resume_on_gpu_frees_memory_and_recaptures_graphs(tiny_dirs):
     before = _outputs(engine)
     replays = graphs.num_replays
     assert replays > 0
+    # a one-request prefill replays a prefill graph: its 40-token request row stays in the static
+    # inputs, which the recapture on resume must not run the smaller graphs' warm-ups on
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    single = engine.generate([list(range(1, 41))], greedy)[0].token_ids
+    assert graphs.prefill is not None and graphs.prefill.num_replays > 0
     kv_bytes = engine.runner.token_to_kv_pool.nbytes()
     free_before = torch.cuda.mem_get_info()[0]
     engine.release_memory()
@@ -185,3 +190,4 @@ def test_release_resume_on_gpu_frees_memory_and_recaptures_graphs(tiny_dirs):
     for (_, lp_after), (_, lp_before) in zip(after, before):
         assert lp_after == pytest.approx(lp_before, abs=1e-4)
     assert graphs.num_replays > replays
+    assert engine.generate([list(range(1, 41))], greedy)[0].token_ids == single

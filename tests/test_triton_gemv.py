@@ -40,6 +40,11 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     "fma_split": Config(16, 16, 2),
     "dot": Config(16, 32, dot=True),
     "dot_split": Config(16, 16, 3, dot=True),
+    # K chunks loaded before the PDL wait: 2 of K 48/64 (1.5-2 chunks of 32: masked tail), all 3
+    # of K 96, more than a split's chunks (clipped)
+    "fma_preload2": Config(8, 32, preload=2),
+    "fma_preload3": Config(8, 32, preload=3),
+    "fma_split_preload": Config(16, 16, 2, preload=3),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 
@@ -141,6 +146,24 @@ def test_gpu_bf16_qwen2_shapes(name):
         out = skinny_linear(x, w, b)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         assert rel_err(out, F.linear(x, w, b)) <= 1e-2, m
+
+
+@gpu
+@pytest.mark.parametrize("preload", [2, 3])
+def test_gpu_preload_changes_no_bit(preload):
+    """Loading more weight chunks before the PDL wait moves loads, not sums: the same bits."""
+    x = rand(1, 1536, dtype=torch.bfloat16, seed=5)
+    gate_up = rand(17920, 1536, dtype=torch.bfloat16, seed=3) * 1536 ** -0.5
+    cfg = triton_gemv._config(1, 17920, 1536, True)
+    assert torch.equal(skinny_gate_up_silu(x, gate_up, 8960, cfg._replace(preload=preload)),
+                       skinny_gate_up_silu(x, gate_up, 8960, cfg))
+    for name in ("qkv", "o", "down"):
+        n, k, _ = QWEN2_1_5B[name]
+        w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
+        x = rand(1, k, dtype=torch.bfloat16, seed=5)
+        cfg = triton_gemv._config(1, n, k)
+        assert torch.equal(skinny_linear(x, w, config=cfg._replace(preload=preload)),
+                           skinny_linear(x, w, config=cfg)), name
 
 
 @gpu

@@ -65,6 +65,7 @@ class Config(NamedTuple):
     dot: bool = False  # tensor-core kernel (M padded to 16) instead of the FMA one
     num_stages: int = 3
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
+    preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -147,12 +148,27 @@ def _gemv_fma_kernel(
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     # The weights are no earlier kernel's output: under PDL the first K chunk streams in while
     # the previous kernel finishes; x (its output) only after the wait.
+    # PRELOAD chunks of it (all of a short K) are in flight before the wait.
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
+    if PRELOAD >= 2:
+        w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
+    if PRELOAD >= 3:
+        w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
     acc = x * w
     acc_up = x * w_up
-    for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
+    if PRELOAD >= 2:
+        x = _fma_x(x_ptr, offs_k, BLOCK_K, K, EVEN_K)
+        acc += x * w1
+        if GATED:
+            acc_up += x * w1_up
+    if PRELOAD >= 3:
+        x = _fma_x(x_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K)
+        acc += x * w2
+        if GATED:
+            acc_up += x * w2_up
+    for k in range(PRELOAD * BLOCK_K, K_SPLIT, BLOCK_K):
         w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
         x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
         acc += x * w
@@ -243,8 +259,11 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # projections none); other shapes take the heuristic.
 # µs per call in a CUDA graph, weights from HBM.
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
-    (1, 2048, 1536, False): Config(4, 512, 1, 4, False, 3),  # qkv: 4.0 µs, cuBLAS 5.2
-    (1, 1536, 1536, False): Config(2, 512, 1, 4, False, 3),  # o: 3.6 µs, cuBLAS 6.5
+    # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
+    # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
+    # alone, without preload: qkv 4.0 µs with 4 rows a program, cuBLAS 5.2; o 3.6, cuBLAS 6.5)
+    (1, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    (1, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
     (1, 17920, 1536, True): Config(2, 256, 1, 2, False, 3),  # gate_up+SiLU: 15.5, cuBLAS+SiLU 18.9
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5
     (64, 17920, 1536, True): Config(64, 64, 1, 4, True, 4, 64),  # 19.1 vs 21.7
@@ -381,8 +400,9 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     else:
         if M > FMA_MAX_M:
             raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
+        preload = max(1, min(cfg.preload, 3, k_split // cfg.block_k))
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
-            *args, BLOCK_M=triton.next_power_of_2(M), **meta)
+            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload, **meta)
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
