@@ -94,6 +94,52 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     assert (out - expected).abs().max().item() <= 1e-4
 
 
+@gpu
+def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch):
+    """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
+    into its KV slot (poisoned before every replay), the decode kernel reads the step's lengths
+    and request rows before its PDL wait and the cache after it. Every replay gives the bits of
+    the same kernels launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits)."""
+    from rollout import triton_pdl
+    from rollout.layers import triton_ops
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(4)
+    lens_cpu = torch.randint(1, 301, (128,), generator=gen).tolist()
+    p = make_paged(lens_cpu, [n - 1 for n in lens_cpu], kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16)
+    new_slots = torch.stack([p.slots(b)[-1] for b in range(128)])
+    qk_in = torch.randn(128, 14, 128, generator=gen).to(DEV, torch.bfloat16)  # 12 q + 2 k heads
+    v_new = torch.randn(128, 2, 128, generator=gen).to(DEV, torch.bfloat16)
+    cos, sin = (torch.rand(128, 1, 64, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    lens = torch.tensor(lens_cpu, device=DEV)
+    qk, out = qk_in.clone(), torch.empty(128, 12, 128, device=DEV, dtype=torch.bfloat16)
+    scratch = decode.decode_buffers(128, 12, 128, 8, DEV)
+
+    def step():
+        p.k.index_fill_(0, new_slots, float("nan"))  # what the slots held: never to be read
+        p.v.index_fill_(0, new_slots, float("nan"))
+        qk.copy_(qk_in)
+        triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(v_new, new_slots, p.k, p.v))
+        decode_attention(qk[:, :12], p.k, p.v, p.req_to_token, p.rows, lens, 0.088,
+                         decode.DecodeConfig(8), scratch, out)
+
+    assert triton_pdl.enabled()
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replays = []
+    for _ in range(20):
+        graph.replay()
+        replays.append(out.clone())
+    monkeypatch.setattr(triton_pdl, "_enabled", False)
+    step()
+    assert not out.isnan().any()
+    assert all(torch.equal(r, out) for r in replays)
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_decode_kernel_launch_configs_match_reference(block_n):
     """Another keys-per-block (and the warps/stages a tuned table may pick): the same function;

@@ -33,6 +33,19 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
+def _attend_block(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
+    """One block of keys into the online softmax: q [BLOCK_H, D], k_t [D, BLOCK_N], v [BLOCK_N, D]."""
+    s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
@@ -41,23 +54,26 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    h_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    # Before the PDL wait: the step's inputs, written before its first kernel (a step's
+    # kernels write neither). Loading the first block of earlier tokens' keys and values here
+    # too measured slower (docs/BENCHMARKS.md).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
-        offs_g = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + offs_g
-        h_mask = offs_g < GROUP
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-        row = tl.load(ReqPoolIdx + b).to(tl.int64)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -68,16 +84,9 @@ def _decode_partial_kernel(
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
             k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                           mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION)
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
         tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_mask)
