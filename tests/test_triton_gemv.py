@@ -125,6 +125,9 @@ def test_bad_inputs_are_refused():
         skinny_linear(rand(2, 48), rand(48, 24).t())
     with pytest.raises(ValueError, match="2·"):
         skinny_gate_up_silu(rand(2, 48), w, 10)
+    for preload in (0, 4):
+        with pytest.raises(ValueError, match="preload"):
+            skinny_linear(rand(1, 48), w, config=Config(8, 16, preload=preload))
     assert not triton_gemv.supports(rand(2, 48).cpu(), w.cpu())  # CUDA only
 
 

@@ -400,7 +400,9 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     else:
         if M > FMA_MAX_M:
             raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
-        preload = max(1, min(cfg.preload, 3, k_split // cfg.block_k))
+        if not 1 <= cfg.preload <= 3:
+            raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
+        preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload, **meta)
     if split > 1:
