@@ -33,19 +33,6 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
-def _attend_block(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
-    """One block of keys into the online softmax: q [BLOCK_H, D], k_t [D, BLOCK_N], v [BLOCK_N, D]."""
-    s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
@@ -84,9 +71,16 @@ def _decode_partial_kernel(
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
             k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                           mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            m_i, l_i, acc = _attend_block(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
         tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_mask)
