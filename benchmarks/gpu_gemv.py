@@ -143,6 +143,8 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
         out.append(Config(4, 512 if K % 512 == 0 else 256, 1, 4, False))
         out.append(Config(8, 256, 1, 4, False))
         out.append(default._replace(split_k=1))
+    if M == 1:  # each FMA config also with the next K chunk's load issued before its FMA
+        out += [c._replace(lookahead=True) for c in out if not c.dot]
     seen, unique = set(), []
     for c in out:
         if c not in seen:

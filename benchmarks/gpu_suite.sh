@@ -79,6 +79,13 @@ for stage in "$@"; do
     # batch 1: the one-row qkv / o GEMV launch configs (preload of the weight before the PDL
     # wait, block_n, warps), variants alternated (VARIANTS: see the script)
     preload-ab) run preload_ab 560 bash benchmarks/gpu_preload_ab.sh ${ROUNDS:-2} ${VARIANTS:-} ;;
+    # eighth session: the one-row sweep with the K-chunk lookahead (down, gate/up, LM head), then
+    # the engine A/B of benchmarks/ab_eighth_session.json (lookahead at batch 1; M-blocks inner in
+    # the tensor-core grid, Triton qkv/o/down at batch 128)
+    gemv-la) run gemv_la 150 python3 benchmarks/gpu_gemv.py --budget-s 60 --rows 1 --batch-rows \
+              --shapes down gate_up lm_head --out "$OUT/gemv_la.json" --configs-out "$OUT/gemv_la_configs.json" ;;
+    ab8) run ab8 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \

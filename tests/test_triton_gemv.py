@@ -45,6 +45,9 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     "fma_preload2": Config(8, 32, preload=2),
     "fma_preload3": Config(8, 32, preload=3),
     "fma_split_preload": Config(16, 16, 2, preload=3),
+    # the next K chunk loaded before the FMA on this one (clamped at the split's last chunk)
+    "fma_lookahead": Config(8, 16, lookahead=True),
+    "fma_split_lookahead": Config(8, 16, 2, preload=2, lookahead=True),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 
@@ -151,14 +154,30 @@ def test_gpu_bf16_qwen2_shapes(name):
         assert rel_err(out, F.linear(x, w, b)) <= 1e-2, m
 
 
+def test_lookahead_changes_no_bit():
+    """Loading the next chunk early moves loads, not sums: the same bits as without."""
+    w, b = rand(40, 96, seed=3), rand(40, seed=4)
+    for m in (1, 5):
+        x = rand(m, 96, seed=m)
+        for cfg in (Config(8, 16), Config(8, 16, 2), Config(8, 32, preload=2)):
+            assert torch.equal(skinny_linear(x, w, b, config=cfg._replace(lookahead=True)),
+                               skinny_linear(x, w, b, config=cfg)), cfg
+            assert torch.equal(
+                skinny_gate_up_silu(x, w, 20, config=cfg._replace(lookahead=True)),
+                skinny_gate_up_silu(x, w, 20, config=cfg)), cfg
+
+
 @gpu
 @pytest.mark.parametrize("preload", [2, 3])
 def test_gpu_preload_changes_no_bit(preload):
-    """Loading more weight chunks before the PDL wait moves loads, not sums: the same bits."""
+    """Loading more weight chunks before the PDL wait, or the next chunk before the FMA on this
+    one, moves loads, not sums: the same bits."""
     x = rand(1, 1536, dtype=torch.bfloat16, seed=5)
     gate_up = rand(17920, 1536, dtype=torch.bfloat16, seed=3) * 1536 ** -0.5
     cfg = triton_gemv._config(1, 17920, 1536, True)
     assert torch.equal(skinny_gate_up_silu(x, gate_up, 8960, cfg._replace(preload=preload)),
+                       skinny_gate_up_silu(x, gate_up, 8960, cfg))
+    assert torch.equal(skinny_gate_up_silu(x, gate_up, 8960, cfg._replace(lookahead=True)),
                        skinny_gate_up_silu(x, gate_up, 8960, cfg))
     for name in ("qkv", "o", "down"):
         n, k, _ = QWEN2_1_5B[name]
@@ -166,6 +185,8 @@ def test_gpu_preload_changes_no_bit(preload):
         x = rand(1, k, dtype=torch.bfloat16, seed=5)
         cfg = triton_gemv._config(1, n, k)
         assert torch.equal(skinny_linear(x, w, config=cfg._replace(preload=preload)),
+                           skinny_linear(x, w, config=cfg)), name
+        assert torch.equal(skinny_linear(x, w, config=cfg._replace(lookahead=True)),
                            skinny_linear(x, w, config=cfg)), name
 
 

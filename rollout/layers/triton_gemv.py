@@ -66,6 +66,7 @@ class Config(NamedTuple):
     num_stages: int = 3
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
     preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
+    lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -155,6 +156,11 @@ def _gemv_fma_kernel(
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    start = PRELOAD * BLOCK_K
+    last = K_SPLIT - BLOCK_K
+    if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
+        w_next, wu_next = _fma_weights(w_ptr, wu_ptr, offs_k, tl.minimum(start, last), K,
+                                       EVEN_K, GATED)
     x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
     acc = x * w
     acc_up = x * w_up
@@ -168,8 +174,14 @@ def _gemv_fma_kernel(
         acc += x * w2
         if GATED:
             acc_up += x * w2_up
-    for k in range(PRELOAD * BLOCK_K, K_SPLIT, BLOCK_K):
-        w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
+    for k in range(start, K_SPLIT, BLOCK_K):
+        if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
+            w, w_up = w_next, wu_next
+            # clamped: the last iteration re-reads the split's last chunk (an L2 hit, unused)
+            w_next, wu_next = _fma_weights(w_ptr, wu_ptr, offs_k, tl.minimum(k + BLOCK_K, last),
+                                           K, EVEN_K, GATED)
+        else:
+            w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
         x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
         acc += x * w
         if GATED:
@@ -183,11 +195,14 @@ def _gemv_dot_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, M_INNER: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if M_INNER:
+        pid_m, pid_k, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # M blocks: decode batches above 16 rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
@@ -247,6 +262,7 @@ def _split_k_reduce_kernel(
 
 
 _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
+_M_INNER = os.environ.get("ROLLOUT_GEMM_M_INNER", "0") == "1"  # A/B toggle (eighth session)
 
 
 # ---- launch config ----------------------------------------------------------------------------
@@ -395,7 +411,9 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
                 **launch_options())
     if cfg.dot:
         grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
-        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
+        if _M_INNER:
+            grid = grid[::-1]
+        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, M_INNER=_M_INNER, **meta,
                                PREC="ieee" if x.dtype == torch.float32 else "tf32")
     else:
         if M > FMA_MAX_M:
@@ -404,7 +422,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
             raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
-            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload, **meta)
+            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
+            LOOKAHEAD=bool(cfg.lookahead), **meta)
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
