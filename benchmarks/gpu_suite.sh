@@ -86,6 +86,12 @@ for stage in "$@"; do
               --shapes down gate_up lm_head --out "$OUT/gemv_la.json" --configs-out "$OUT/gemv_la_configs.json" ;;
     ab8) run ab8 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8.json" ;;
+    # second round: one-row gate/up configs, and the fused gate/up + SiLU at 128 rows re-swept
+    # with the M blocks innermost
+    gemv-b128) run gemv_b128 150 env ROLLOUT_GEMM_M_INNER=1 python3 benchmarks/gpu_gemv.py --budget-s 60 \
+              --rows --batch-rows 128 --shapes gate_up --out "$OUT/gemv_b128.json" --configs-out "$OUT/gemv_b128_configs.json" ;;
+    ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \
