@@ -90,6 +90,9 @@ for stage in "$@"; do
     # with the M blocks innermost
     gemv-b128) run gemv_b128 150 env ROLLOUT_GEMM_M_INNER=1 python3 benchmarks/gpu_gemv.py --budget-s 60 \
               --rows --batch-rows 128 --shapes gate_up --out "$OUT/gemv_b128.json" --configs-out "$OUT/gemv_b128_configs.json" ;;
+    # third round: the new table against gate/up and down preload variants (batch 1)
+    ab8c) run ab8c 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8c.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;

@@ -195,14 +195,15 @@ def _gemv_dot_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PREC: tl.constexpr, M_INNER: tl.constexpr,
+    PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    if M_INNER:
-        pid_m, pid_k, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # M blocks innermost: the programs that read one weight block run side by side, so the
+    # block comes from HBM once and from L2 for the others (batch-128 decode graph -4%)
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = tl.program_id(0) % blocks_m, tl.program_id(0) // blocks_m
+    pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # M blocks: decode batches above 16 rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
@@ -262,7 +263,6 @@ def _split_k_reduce_kernel(
 
 
 _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
-_M_INNER = os.environ.get("ROLLOUT_GEMM_M_INNER", "0") == "1"  # A/B toggle (eighth session)
 
 
 # ---- launch config ----------------------------------------------------------------------------
@@ -280,12 +280,17 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # alone, without preload: qkv 4.0 µs with 4 rows a program, cuBLAS 5.2; o 3.6, cuBLAS 6.5)
     (1, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
     (1, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
-    (1, 17920, 1536, True): Config(2, 256, 1, 2, False, 3),  # gate_up+SiLU: 15.5, cuBLAS+SiLU 18.9
+    # gate_up + SiLU: four rows of each half a program, two of the three K chunks loaded before
+    # the PDL wait (eighth session, in the engine: batch-1 graph 1.242 -> 1.166 ms against the
+    # sixth session's (2, 256); alone 15.0 µs, cuBLAS + SiLU 18.2)
+    (1, 17920, 1536, True): Config(4, 512, 1, 2, False, 3, preload=2),
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5
     (64, 17920, 1536, True): Config(64, 64, 1, 4, True, 4, 64),  # 19.1 vs 21.7
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64),  # 22.6 vs 22.8
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
-    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3),  # down: 9.3 µs, cuBLAS 11.4
+    # down: the next K chunk's load issued before the FMA on this one (eighth session: alone
+    # 9.9 -> 8.7 µs, cuBLAS 10.9; batch-1 graph 1.263 -> 1.242 ms)
+    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3, lookahead=True),
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
     # Plain projections at decode batches (`gemv-batch` stage, fourth session): cuBLAS wins
     # every one; best M-tiled (split-K) config vs cuBLAS, µs
@@ -410,10 +415,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
                 **launch_options())
     if cfg.dot:
-        grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
-        if _M_INNER:
-            grid = grid[::-1]
-        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, M_INNER=_M_INNER, **meta,
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
                                PREC="ieee" if x.dtype == torch.float32 else "tf32")
     else:
         if M > FMA_MAX_M:
