@@ -280,17 +280,18 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # alone, without preload: qkv 4.0 µs with 4 rows a program, cuBLAS 5.2; o 3.6, cuBLAS 6.5)
     (1, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
     (1, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
-    # gate_up + SiLU: four rows of each half a program, two of the three K chunks loaded before
-    # the PDL wait (eighth session, in the engine: batch-1 graph 1.242 -> 1.166 ms against the
-    # sixth session's (2, 256); alone 15.0 µs, cuBLAS + SiLU 18.2)
-    (1, 17920, 1536, True): Config(4, 512, 1, 2, False, 3, preload=2),
+    # gate_up + SiLU: K chunks of 512, two of the three loaded before the PDL wait (eighth
+    # session, in the engine: batch-1 graph 1.242 ms with the sixth session's (2, 256) -> 1.156;
+    # alone 15.4 µs without the preload, cuBLAS + SiLU 18.2)
+    (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2),
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5
     (64, 17920, 1536, True): Config(64, 64, 1, 4, True, 4, 64),  # 19.1 vs 21.7
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64),  # 22.6 vs 22.8
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
-    # down: the next K chunk's load issued before the FMA on this one (eighth session: alone
-    # 9.9 -> 8.7 µs, cuBLAS 10.9; batch-1 graph 1.263 -> 1.242 ms)
-    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3, lookahead=True),
+    # down: the next K chunk's load issued before the FMA on this one, two chunks before the
+    # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
+    # graph 1.263 -> 1.242 ms with it, then 1.168 -> 1.160 with the preload)
+    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3, preload=2, lookahead=True),
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
     # Plain projections at decode batches (`gemv-batch` stage, fourth session): cuBLAS wins
     # every one; best M-tiled (split-K) config vs cuBLAS, µs
