@@ -95,6 +95,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8c.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
+    # the decode graph kernel by kernel (PDL off, so that durations add up)
+    kernels) run kernels 300 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --out "$OUT/kernels.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;
     decode-quick) run decode_quick 300 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 128 --prompt-len 128 --new-tokens 64 \

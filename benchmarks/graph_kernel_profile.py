@@ -1,0 +1,75 @@
+"""Where a decode CUDA graph's time goes, kernel by kernel: torch.profiler over REPLAYS replays of
+the engine's captured decode graph per batch size, each kernel's GPU time per replay (and how
+many launches a replay has), next to the replay's wall time.
+
+Run it with ROLLOUT_PDL=0: under programmatic dependent launch a kernel's measured duration
+includes the time its blocks wait for the previous kernel, so the per-kernel split only adds up
+without it (the replay time with PDL is what decode_throughput.py reports).
+
+  ROLLOUT_PDL=0 python benchmarks/graph_kernel_profile.py --batch-sizes 1 128 --out $OUT/kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.cuda_timing import replay_seconds
+from benchmarks.decode_throughput import SHAPES, prompts_for
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.tiny_model import make_tiny_model
+
+
+def kernel_table(graph, replays: int) -> list[dict]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") \
+                else e.cuda_time_total
+            per[e.name][1] += 1
+    rows = [{"kernel": k, "us_per_replay": t / replays, "launches_per_replay": n / replays}
+            for k, (t, n) in per.items()]
+    return sorted(rows, key=lambda r: -r["us_per_replay"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2-1.5b")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    spec = SHAPES[args.shape]
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "m", spec, with_tokenizer=False)
+    engine = Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
+                                 max_running_requests=max(args.batch_sizes)))
+    gr = engine.runner.graph_runner
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "batches": {}}
+    for bs in args.batch_sizes:
+        sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
+        engine.generate(prompts_for(bs, args.prompt_len, spec.vocab_size), sp)  # contexts ~192
+        graph = gr.graphs[min(s for s in gr.batch_sizes if s >= bs)]
+        replay_ms = replay_seconds(graph, 50) * 1e3
+        rows = kernel_table(graph, args.replays)
+        total = sum(r["us_per_replay"] for r in rows)
+        result["batches"][bs] = {"replay_ms": replay_ms, "kernel_us_sum": total, "kernels": rows}
+        print(f"bs={bs}: replay {replay_ms:.3f} ms, kernels sum {total / 1e3:.3f} ms, "
+              f"{sum(r['launches_per_replay'] for r in rows):.0f} launches a replay")
+        for r in rows[:18]:
+            print(f"  {r['us_per_replay']:8.1f} µs  {r['launches_per_replay']:5.0f}x  {r['kernel'][:90]}")
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
