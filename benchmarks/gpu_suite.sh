@@ -93,6 +93,10 @@ for stage in "$@"; do
     # third round: the new table against gate/up and down preload variants (batch 1)
     ab8c) run ab8c 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8c.json" ;;
+    # fourth round: the decode graph's logits cast to float32 inside the graph vs handed to the
+    # sampler in the head's dtype
+    ab8d) run ab8d 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 32 128 --out "$OUT/ab8d.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
     # the decode graph kernel by kernel (PDL off, so that durations add up)

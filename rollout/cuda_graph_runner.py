@@ -19,6 +19,7 @@ them again on resume."""
 from __future__ import annotations
 
 import bisect
+import os
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -142,8 +143,12 @@ class CudaGraphRunner:
         return capture_graph(lambda: self._forward(fb), pool)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        # the head's dtype: the float32 cast is the reader's (the fused sampler converts as it
+        # loads; at batch 128 the cast kernel wrote 78 MB a step inside the graph)
         model = self.model_runner.model
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb), fb)
+        if os.environ.get("ROLLOUT_GRAPH_LOGITS_FP32") == "1":  # A/B toggle (eighth session)
+            return model.compute_logits(model(fb.input_ids, fb.positions, fb), fb)
+        return model.head_logits(model(fb.input_ids, fb.positions, fb), fb)
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch of bs rows whose tensors are views of the static buffers."""
@@ -165,7 +170,8 @@ class CudaGraphRunner:
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [fb.batch_size, vocab] float32, as the eager forward would return them (with
-        `fb.logits_read_at_once`: the graph's output buffer, valid until the next replay)."""
+        `fb.logits_read_at_once`: the graph's output buffer in the model's dtype, valid until
+        the next replay)."""
         if not fb.forward_mode.is_decode:
             return self.prefill.replay(fb)
         bs = fb.batch_size
@@ -179,4 +185,6 @@ class CudaGraphRunner:
         # The static output is overwritten by the next replay of any graph (shared pool): a copy,
         # unless the caller reads it at once (the engine samples from it, and the next replay is
         # queued behind that sampling on the same stream; the copy is 78 MB at batch 128)
-        return out if fb.logits_read_at_once else out.clone()
+        if fb.logits_read_at_once:
+            return out
+        return out.clone() if out.dtype == torch.float32 else out.float()

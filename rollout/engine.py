@@ -65,7 +65,7 @@ class Engine(EngineWeightsMixin):
 
     def run_batch(self, fb: ForwardBatch) -> SampleOutput:
         """One forward + sample: what the scheduler calls each step."""
-        fb.logits_read_at_once = True  # sampled right here, before any other forward
+        fb.logits_read_at_once = True  # sampled right here, before any other forward (any dtype)
         return self.runner.sample(self.forward(fb), fb)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -52,7 +52,8 @@ def keep_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> Optional[torch.Te
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-    """logits: [B, vocab] float32 → one token per row (no host synchronisation).
+    """logits: [B, vocab] float32, or the model's bf16/fp16 (what a decode CUDA graph leaves:
+    exactly those values as float32) → one token per row (no host synchronisation).
 
     Work that cannot change the result is skipped from the batch's host-side flags: the
     division when every temperature is 1, the argmax when no row is greedy, the filter when no
@@ -60,11 +61,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     full-vocabulary log-softmax is computed only for top-logprobs; otherwise the token's logprob
     is the log of its softmax probability (one pass over the vocabulary, not two)."""
     if (logits.is_cuda and FUSED_GPU_SAMPLER and not info.needs_filter and info.max_top_logprobs == 0
-            and logits.dtype == torch.float32 and logits.stride(-1) == 1):
+            and logits.stride(-1) == 1):
         from rollout import triton_sampler  # lazily: triton only where CUDA runs
         tokens, logprobs, pack = triton_sampler.sample_unfiltered(
             logits, info.temperatures, info.greedy, info.uniforms)
         return SampleOutput(tokens, logprobs, host_pack=pack)
+    logits = logits.float()  # a no-op on float32
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)
     if info.max_top_logprobs > 0:
         logprobs_all = torch.log_softmax(scaled, dim=-1)

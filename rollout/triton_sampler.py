@@ -31,7 +31,8 @@ def _chunk_max(Logits, stride_row, Temps, CMax, CIdx, V, C, CHUNK: tl.constexpr,
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row, c = tl.program_id(0), tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf"))
+    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
+                other=float("-inf")).to(tl.float32)
     x = x / tl.load(Temps + row)
     m = tl.max(x, axis=0)
     first = tl.min(tl.where(x == m, offs, V), axis=0)
@@ -52,7 +53,8 @@ def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr,
     row, c = tl.program_id(0), tl.program_id(1)
     m = _row_max(CMax, row, C, BLOCK_C)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf"))
+    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
+                other=float("-inf")).to(tl.float32)
     p = tl.exp(x / tl.load(Temps + row) - m)  # exp(-inf) = 0 on the tail
     tl.store(CSum + row * C + c, tl.sum(p, axis=0))
 
@@ -76,14 +78,15 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     chunk = tl.minimum(tl.min(tl.where(prefix > target, cs, BLOCK_C), axis=0), C - 1)
     before = tl.sum(tl.where(cs == chunk, prefix - mass, 0.0), axis=0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf"))
+    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
+                other=float("-inf")).to(tl.float32)
     p = tl.exp(x / t - m)
     cdf = before + tl.cumsum(p.to(tl.float64), axis=0)
     hit = tl.min(tl.where((cdf > target) & (p > 0), offs, V), axis=0)
     # u * total rounded up to total (u within 2^-53 of 1): the likeliest token, as the torch path
     token = tl.where(hit < V, hit, argmax)
     token = tl.where(tl.load(Greedy + row) != 0, argmax, token)
-    x_tok = tl.load(Logits + row.to(tl.int64) * stride_row + token) / t
+    x_tok = tl.load(Logits + row.to(tl.int64) * stride_row + token).to(tl.float32) / t
     logprob = (x_tok - m) - tl.log(total.to(tl.float32))
     tl.store(Tokens + row, token.to(tl.int64))
     tl.store(Logprobs + row, logprob)
@@ -94,7 +97,8 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
 
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32 (rows contiguous), temperatures [B] float32 (1.0 on greedy rows),
+    """logits [B, V] float32, bf16 or fp16 (rows contiguous; read as exactly those values in
+    float32), temperatures [B] float32 (1.0 on greedy rows),
     greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
     stacked as [2, B] float64 for the copy to the host)."""
     rows, vocab = logits.shape

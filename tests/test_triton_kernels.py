@@ -375,7 +375,35 @@ def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):
     fb.logits_read_at_once = True
     transient = driver.forward(fb)
     assert transient.data_ptr() == runner.outputs[2].data_ptr()
+    assert transient.dtype == kept.dtype == torch.float32  # a float32 model's head: no cast
     assert torch.equal(kept, before)  # the earlier copy was not overwritten by the replay
+
+
+def test_bf16_graph_hands_the_sampler_the_heads_logits(tiny_dirs, monkeypatch):
+    """A bf16 decode graph's logits stay bf16 for a caller that reads them at once (the
+    sampler converts as it loads); anyone else gets float32 copies of the same values. The
+    same step (same tokens, positions and KV slots) is run both ways."""
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    if DEV.type != "cuda":
+        monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
+    cfg = dict(device=DEV.type, dtype="bfloat16", attention_backend="triton",
+               cuda_graph_batch_sizes=(1, 2, 4))
+    if DEV.type != "cuda":
+        cfg["cuda_graph"] = False
+    driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **cfg)
+    if DEV.type != "cuda":
+        driver.runner.graph_runner = CudaGraphRunner(driver.runner)
+    runner = driver.runner.graph_runner
+    logits = driver.prefill([[1, 2, 3], [4, 5]])
+    fb = build_batch(ForwardMode.DECODE, driver.rows, [[7], [8]], driver.lens, driver.alloc, DEV)
+    copied = driver.forward(fb)
+    fb.logits_read_at_once = True
+    transient = driver.forward(fb)
+    assert runner.num_replays == 2 and logits.dtype == copied.dtype == torch.float32
+    assert transient.dtype == torch.bfloat16
+    assert transient.data_ptr() == runner.outputs[2].data_ptr()
+    assert torch.equal(transient.float(), copied)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -64,6 +64,22 @@ def test_fused_sampler_rows_do_not_depend_on_the_batch():
     assert batch[0][3] == alone[0][0] and batch[1][3] == alone[1][0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_sample_as_their_float32_values(dtype):
+    """A decode graph hands the sampler the LM head's bf16/fp16 logits: both samplers draw what
+    they draw from those values cast to float32, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(len(PARAMS), VOCAB, generator=gen) * 3.0).to(dtype)
+    seeds, positions = [21, 22, 23, 24, 25, 26], [9] * len(PARAMS)
+    info = _info(PARAMS, seeds, positions, DEV)
+    half, full = _fused(logits, info), _fused(logits.float(), info)
+    for a, b in zip(half, full):
+        assert torch.equal(a, b)
+    want = _torch_path(logits.float(), PARAMS, seeds, positions)
+    got = _torch_path(logits, PARAMS, seeds, positions)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
 @gpu
 def test_fused_sampler_frequencies_match_softmax():
     vocab, draws = 3000, 60_000

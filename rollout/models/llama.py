@@ -214,10 +214,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, fb)
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Logits float32 (see `head_logits`)."""
+        return self.head_logits(hidden, fb).float()
+
+    def head_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Logits as the LM head computes them, in the model's dtype: the rows `fb` asks for."""
         rows = fb.logits_indices()
         if rows is not None:
             hidden = hidden[rows]
-        return self.lm_head.compute_logits(hidden, self.packed_weights(self.lm_head.weight)).float()
+        return self.lm_head.compute_logits(hidden, self.packed_weights(self.lm_head.weight))
 
     @property
     def weight_table(self) -> WeightTable:
