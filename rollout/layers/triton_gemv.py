@@ -15,9 +15,13 @@ TRITON_INTERPRET=1 first.
 
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
-    accumulator of elementwise products over the K loop, reduced along K once at the end.
+    accumulator of elementwise products over the K loop, reduced along K once at the end. Its
+    loads are plain (not pipelined by Triton), so a thread has one weight chunk in flight:
+    `Config.preload` puts more of them before the PDL wait, `Config.lookahead` issues the next
+    chunk's load before the FMA on this one (a long K, as down's 8,960, is otherwise short of
+    bytes in flight).
   * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; also decode
-    batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`).
+    batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`), M blocks innermost.
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
 and a second kernel sums them in a fixed order: deterministic, no atomics.
 `skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads
