@@ -97,6 +97,9 @@ for stage in "$@"; do
     # sampler in the head's dtype
     ab8d) run ab8d 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_d.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 32 128 --out "$OUT/ab8d.json" ;;
+    # fifth round: decode attention launch configs in the engine (ROLLOUT_DECODE_ATTN_CONFIGS)
+    ab8e) run ab8e 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_e.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8e.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
     # the decode graph kernel by kernel (PDL off, so that durations add up)

@@ -157,6 +157,22 @@ def test_decode_kernel_launch_configs_match_reference(block_n):
                          0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV), config=cfg)
 
 
+def test_decode_launch_table_from_the_environment(monkeypatch):
+    """ROLLOUT_DECODE_ATTN_CONFIGS replaces the built-in table (splits capped by the scratch);
+    a malformed one is refused with the entry named."""
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(8)
+    monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(4, 64, 4, 2)
+    assert decode.decode_launch_config(16) == decode.DecodeConfig(4, 64, 4, 2)
+    assert decode.decode_launch_config(17) == decode.DecodeConfig(1, 64, 2, 3)
+    assert decode.decode_launch_config(512) == decode.DecodeConfig(1, 64, 2, 3)  # past the last
+    assert decode.decode_launch_config(8, max_splits=2).splits == 2
+    for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";"):
+        monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
+        with pytest.raises(ValueError, match="decode attention config"):
+            decode.decode_launch_config(1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_kernel_equals_indexed_assignment(dtype):
     """The fused KV store writes exactly what `buf[loc] = x.to(buf.dtype)` writes, from strided

@@ -10,6 +10,8 @@ the launch grid depends on the batch size only (what a CUDA graph needs).
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -121,6 +123,32 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
+@functools.lru_cache(maxsize=4)
+def parse_launch_table(spec: str) -> tuple[tuple[int, DecodeConfig], ...]:
+    """"MAX_BATCH:splits,block_n,warps,stages;..." (e.g. "16:8,32,4,3;256:2,64,2,3") -> the
+    table `decode_launch_config` reads from ROLLOUT_DECODE_ATTN_CONFIGS instead of its own:
+    another GPU's measured configs without a code change. Edges should be CUDA-graph sizes (a
+    batch and the graph it is padded to then launch alike)."""
+    table = []
+    for entry in filter(None, spec.replace(" ", "").split(";")):
+        try:
+            edge, values = entry.split(":")
+            values = [int(v) for v in values.split(",")]
+            if len(values) != len(DecodeConfig._fields):
+                raise ValueError(f"{len(values)} values")
+            cfg, edge = DecodeConfig(*values), int(edge)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"decode attention config {entry!r}: want "
+                             f"MAX_BATCH:splits,block_n,warps,stages ({e})") from None
+        if edge < 1 or min(cfg) < 1 or cfg.block_n & (cfg.block_n - 1):
+            raise ValueError(f"decode attention config {entry!r}: positive values, block_n a "
+                             "power of two")
+        table.append((edge, cfg))
+    if not table:
+        raise ValueError(f"decode attention configs {spec!r}: no entry")
+    return tuple(sorted(table))
+
+
 def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
     """The launch config for a decode batch on a GPU. Splits: many when few requests must fill
     the GPU, few when the batch alone does (then more splits only add programs and merge work).
@@ -129,6 +157,11 @@ def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
     8.46 → 7.43, batch 128 15.26 → 13.84."""
+    spec = os.environ.get("ROLLOUT_DECODE_ATTN_CONFIGS")
+    if spec:
+        table = parse_launch_table(spec)
+        cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
+        return cfg._replace(splits=min(max_splits, cfg.splits))
     if batch <= 16:
         return DecodeConfig(max_splits)
     if batch <= 64:
