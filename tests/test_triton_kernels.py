@@ -160,7 +160,7 @@ def test_decode_kernel_launch_configs_match_reference(block_n):
 def test_decode_launch_table_from_the_environment(monkeypatch):
     """ROLLOUT_DECODE_ATTN_CONFIGS replaces the built-in table (splits capped by the scratch);
     a malformed one is refused with the entry named."""
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(8)
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, num_stages=2)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     assert decode.decode_launch_config(1) == decode.DecodeConfig(4, 64, 4, 2)
     assert decode.decode_launch_config(16) == decode.DecodeConfig(4, 64, 4, 2)

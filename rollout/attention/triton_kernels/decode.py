@@ -156,14 +156,16 @@ def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
     batch and the graph it is padded to launch alike (graph replay == eager, bit for bit).
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
-    8.46 → 7.43, batch 128 15.26 → 13.84."""
+    8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
+    decode graph 1.1517 → 1.1451 ms (eighth session, `benchmarks/ab_eighth_session_e.json`; the
+    same sums, the stages only pipeline the loads); batch 128's alternatives all lost there."""
     spec = os.environ.get("ROLLOUT_DECODE_ATTN_CONFIGS")
     if spec:
         table = parse_launch_table(spec)
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
     if batch <= 16:
-        return DecodeConfig(max_splits)
+        return DecodeConfig(max_splits, num_stages=2)
     if batch <= 64:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
     return DecodeConfig(min(max_splits, 2), block_n=64, num_warps=2)
