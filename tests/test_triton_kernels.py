@@ -95,7 +95,8 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
 
 
 @gpu
-def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch):
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages):
     """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
     into its KV slot (poisoned before every replay), the decode kernel reads the step's lengths
     and request rows before its PDL wait and the cache after it. Every replay gives the bits of
@@ -122,7 +123,7 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch):
         qk.copy_(qk_in)
         triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(v_new, new_slots, p.k, p.v))
         decode_attention(qk[:, :12], p.k, p.v, p.req_to_token, p.rows, lens, 0.088,
-                         decode.DecodeConfig(8), scratch, out)
+                         decode.DecodeConfig(8, num_stages=num_stages), scratch, out)
 
     assert triton_pdl.enabled()
     step()
