@@ -2,7 +2,9 @@
 process each, variants alternated, so every variant sees the same machine drift. A variant is
 environment variables and/or skinny-GEMM launch-config entries (written to a file for
 ROLLOUT_SKINNY_CONFIGS, as `triton_gemv.load_tuned` reads it; "configs_file" instead names such a
-file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded).
+file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded). Keys starting
+with "_" are comments. A variants file records an experiment as it ran at its commit: an A/B
+toggle it sets may since have been removed, its winner kept as the only code path.
 
   python benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session.json --rounds 2 \
       --batch-sizes 1 128 --out $OUT/ab.json
@@ -68,7 +70,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     variants = json.loads(Path(args.variants).read_text())
-    names = args.only or list(variants)
+    names = args.only or [n for n in variants if not n.startswith("_")]  # "_note": a comment
     tmp = Path(tempfile.mkdtemp())
     runs: dict = {n: [] for n in names}
     for r in range(args.rounds):
