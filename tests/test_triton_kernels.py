@@ -161,17 +161,20 @@ def test_decode_kernel_launch_configs_match_reference(block_n):
 def test_decode_launch_table_from_the_environment(monkeypatch):
     """ROLLOUT_DECODE_ATTN_CONFIGS replaces the built-in table (splits capped by the scratch);
     a malformed one is refused with the entry named."""
+    monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
+    assert decode.launch_table_from_env() is None
     assert decode.decode_launch_config(1) == decode.DecodeConfig(8, num_stages=2)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(4, 64, 4, 2)
-    assert decode.decode_launch_config(16) == decode.DecodeConfig(4, 64, 4, 2)
-    assert decode.decode_launch_config(17) == decode.DecodeConfig(1, 64, 2, 3)
-    assert decode.decode_launch_config(512) == decode.DecodeConfig(1, 64, 2, 3)  # past the last
-    assert decode.decode_launch_config(8, max_splits=2).splits == 2
+    table = decode.launch_table_from_env()
+    assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(4, 64, 4, 2)
+    assert decode.decode_launch_config(16, table=table) == decode.DecodeConfig(4, 64, 4, 2)
+    assert decode.decode_launch_config(17, table=table) == decode.DecodeConfig(1, 64, 2, 3)
+    assert decode.decode_launch_config(512, table=table) == decode.DecodeConfig(1, 64, 2, 3)
+    assert decode.decode_launch_config(8, max_splits=2, table=table).splits == 2
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
         with pytest.raises(ValueError, match="decode attention config"):
-            decode.decode_launch_config(1)
+            decode.launch_table_from_env()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

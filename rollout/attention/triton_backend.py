@@ -13,7 +13,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
-                                                      decode_launch_config)
+                                                      decode_launch_config, launch_table_from_env)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class TritonBackend(AttentionBackend):
         # At most this many KV splits (the scratch's size); `decode_config` picks per batch. The
         # interpreter runs one program at a time, where extra splits only cost time.
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
+        self.launch_table = launch_table_from_env()  # None: decode_launch_config's own
         self.meta: DecodeMetadata | ExtendMetadata | None = None
         self.graph_meta: Optional[DecodeMetadata] = None  # static buffers for max_bs
 
@@ -93,7 +94,7 @@ class TritonBackend(AttentionBackend):
         the interpreter's: every split at once, launch parameters unused."""
         if self.device.type != "cuda":
             return DecodeConfig(self.num_kv_splits)
-        return decode_launch_config(batch, self.num_kv_splits)
+        return decode_launch_config(batch, self.num_kv_splits, self.launch_table)
 
     # ---- CUDA graphs (decode only) ----------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -10,9 +10,8 @@ the launch grid depends on the batch size only (what a CUDA graph needs).
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
 
-import functools
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -123,12 +122,20 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
-@functools.lru_cache(maxsize=4)
-def parse_launch_table(spec: str) -> tuple[tuple[int, DecodeConfig], ...]:
-    """"MAX_BATCH:splits,block_n,warps,stages;..." (e.g. "16:8,32,4,3;256:2,64,2,3") -> the
-    table `decode_launch_config` reads from ROLLOUT_DECODE_ATTN_CONFIGS instead of its own:
-    another GPU's measured configs without a code change. Edges should be CUDA-graph sizes (a
-    batch and the graph it is padded to then launch alike)."""
+LaunchTable = tuple[tuple[int, DecodeConfig], ...]  # (largest batch, config), edges ascending
+
+
+def launch_table_from_env() -> Optional[LaunchTable]:
+    """The table in ROLLOUT_DECODE_ATTN_CONFIGS, if set: another GPU's measured configs without
+    a code change (read once, by the backend)."""
+    spec = os.environ.get("ROLLOUT_DECODE_ATTN_CONFIGS")
+    return parse_launch_table(spec) if spec else None
+
+
+def parse_launch_table(spec: str) -> LaunchTable:
+    """A launch table from "MAX_BATCH:splits,block_n,warps,stages;..." (e.g.
+    "16:8,32,4,3;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph it is
+    padded to then launch alike)."""
     table = []
     for entry in filter(None, spec.replace(" ", "").split(";")):
         try:
@@ -149,7 +156,8 @@ def parse_launch_table(spec: str) -> tuple[tuple[int, DecodeConfig], ...]:
     return tuple(sorted(table))
 
 
-def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
+def decode_launch_config(batch: int, max_splits: int = 8,
+                         table: Optional[LaunchTable] = None) -> DecodeConfig:
     """The launch config for a decode batch on a GPU. Splits: many when few requests must fill
     the GPU, few when the batch alone does (then more splits only add programs and merge work).
     A function of coarse batch ranges whose edges (16, 64) are default CUDA-graph sizes, so a
@@ -159,9 +167,7 @@ def decode_launch_config(batch: int, max_splits: int = 8) -> DecodeConfig:
     8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
     decode graph 1.1517 → 1.1451 ms (eighth session, `benchmarks/ab_eighth_session_e.json`; the
     same sums, the stages only pipeline the loads); batch 128's alternatives all lost there."""
-    spec = os.environ.get("ROLLOUT_DECODE_ATTN_CONFIGS")
-    if spec:
-        table = parse_launch_table(spec)
+    if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
     if batch <= 16:
