@@ -102,13 +102,6 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8e.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
-    # ninth session: the stream-K decode GEMM's sweep against cuBLAS and the table (writes
-    # stream_k_configs.json), its GPU spec, then the engine with those entries and without
-    stream-k) run stream_k 420 python3 benchmarks/gpu_stream_k.py --case-budget-s ${CASE_S:-20} \
-              --rows ${ROWS_SK:-128 64 32} --out "$OUT/stream_k.json" --configs-out "$OUT/stream_k_configs.json" ;;
-    stream-k-test) run stream_k_test 240 python3 -m pytest -q -m gpu tests/test_triton_stream_k.py -p no:cacheprovider ;;
-    ab9) run ab9 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_ninth_session.json \
-              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-32 128} ${AB_ONLY:+--only $AB_ONLY} --out "$OUT/ab9.json" ;;
     # the decode graph kernel by kernel (PDL off, so that durations add up)
     kernels) run kernels 300 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --out "$OUT/kernels.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;

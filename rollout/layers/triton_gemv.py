@@ -48,11 +48,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from rollout.layers.triton_gemm_epilogue import _epilogue, _silu_mul
 from rollout.layers.triton_ops import _is_compiled, _round
-from rollout.layers.triton_stream_k import StreamKConfig
-from rollout.layers import triton_stream_k
 from rollout.triton_pdl import launch_options, pdl_wait
 
 MAX_M = 16  # rows served without a tuned entry (the heuristic config)
@@ -76,6 +74,40 @@ class Config(NamedTuple):
 
 
 # ---- kernels ------------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul(gate, up, dt: tl.constexpr, COMPILED: tl.constexpr):
+    """silu(gate).to(dt) * up, rounded, for fp32 gate/up already rounded to dt (as silu_and_mul)."""
+    if COMPILED:
+        e = libdevice.exp(-gate)  # expf, as torch's CUDA silu
+    else:
+        e = tl.exp(-gate)
+    silu = _round(tl.math.div_rn(gate, 1.0 + e), dt, COMPILED)
+    return _round(silu * up, dt, COMPILED)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
+              HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+              COMPILED: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 sums -> the rounded output, or fp32 partials when split along K."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT > 1:  # partials [SPLIT, M, N] (gated: [SPLIT, M, 2N], up at N + n)
+        width = 2 * N if GATED else N
+        p = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
+        tl.store(p, acc, mask=mask)
+        if GATED:
+            tl.store(p + N, acc_up, mask=mask)
+    else:
+        dt = Y.dtype.element_ty
+        if GATED:
+            out = _silu_mul(_round(acc, dt, COMPILED), _round(acc_up, dt, COMPILED), dt, COMPILED)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            out = _round(acc, dt, COMPILED)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
+
+
 @triton.jit
 def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
     """The FMA kernel's weight tile at K offset k (and the up half's when gated; else zeros)."""
@@ -246,7 +278,7 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for the plain
 # projections none); other shapes take the heuristic.
 # µs per call in a CUDA graph, weights from HBM.
-_TUNED: dict[tuple[int, int, int, bool], Optional[Config | StreamKConfig]] = {
+_TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
     # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
     # alone, without preload: qkv 4.0 µs with 4 rows a program, cuBLAS 5.2; o 3.6, cuBLAS 6.5)
@@ -290,27 +322,17 @@ def load_tuned(path: str) -> int:
     with open(path) as f:
         entries = json.load(f)
     for e in entries:
-        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = _parse_config(
-            e["config"])
+        cfg = e["config"]
+        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
+            Config(**cfg) if cfg is not None else None)
     return len(entries)
-
-
-def _parse_config(cfg: Optional[dict]) -> Optional[Config | StreamKConfig]:
-    """A configs file's entry: null (cuBLAS), a Config's fields, or {"stream_k": true, ...} with
-    a StreamKConfig's fields."""
-    if cfg is None:
-        return None
-    cfg = dict(cfg)
-    if cfg.pop("stream_k", False):
-        return StreamKConfig(**cfg)
-    return Config(**cfg)
 
 
 if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
     load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
 
 
-def _config(M: int, N: int, K: int, gated: bool = False) -> Config | StreamKConfig:
+def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
     """The launch config for an [M, K] x [N, K]^T GEMM (N: all weight rows, 2·I when gated)."""
     tuned = _TUNED.get((triton.next_power_of_2(M), N, K, gated))
     if tuned is not None:
@@ -380,12 +402,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
 
-def _launch(x, weight, bias, out, gated: bool, config: Optional[Config | StreamKConfig]) -> torch.Tensor:
+def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
-    if isinstance(cfg, StreamKConfig):
-        return triton_stream_k.launch(x, weight, bias, out, gated, cfg)
     split = cfg.split_k
     k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
     partials = (torch.empty(split, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
@@ -422,7 +442,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config | StreamK
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  config: Optional[Config | StreamKConfig] = None) -> torch.Tensor:
+                  config: Optional[Config] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] (1 <= M <= BATCH_MAX_M, rows contiguous), weight [N, K]
     contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
     `config` overrides the launch config (benchmarks and tests)."""
@@ -434,7 +454,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: int,
-                        config: Optional[Config | StreamKConfig] = None) -> torch.Tensor:
+                        config: Optional[Config] = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight_gate_up)) without writing the [M, 2·inter] intermediate:
     weight [2·inter, K] with gate rows [0, inter) and up rows [inter, 2·inter); returns
     silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype).
