@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -37,8 +36,6 @@ class ModelRunner:
         self.released: dict[str, list[StorageRecord]] = {}  # tag -> freed storages (release_memory)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            if os.environ.get("ROLLOUT_BLAS_LIBRARY"):  # A/B of cuBLAS vs cuBLASLt (ninth session)
-                torch.backends.cuda.preferred_blas_library(os.environ["ROLLOUT_BLAS_LIBRARY"])
         free_before = self._free_device_memory()
         self.initialize()
         self.init_memory_pool(free_before)
