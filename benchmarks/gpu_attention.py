@@ -28,17 +28,46 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
 BATCHES = [1, 32, 128]
 
 
-def make_case(batch: int, gen: torch.Generator) -> dict:
+PROMPT = 128
+
+
+def slot_table(lens: list[int], layout: str, gen: torch.Generator) -> torch.Tensor:
+    """[batch, 256] request -> slot table (slot 0: the dummy, never used). `random`: every slot
+    anywhere; `engine`: as the engine's allocator leaves a 128 + 128 run (each prompt in one
+    piece, then one slot per request per step, so a request's decode tokens lie `batch` slots
+    apart); `contiguous`: each request's tokens in one piece."""
+    batch, total = len(lens), sum(lens)
+    table = torch.zeros(batch, 256, dtype=torch.int32)
+    if layout == "random":
+        slots, start = torch.randperm(total, generator=gen) + 1, 0
+        for b, n in enumerate(lens):
+            table[b, :n] = slots[start:start + n].to(torch.int32)
+            start += n
+    elif layout == "contiguous":
+        start = 1
+        for b, n in enumerate(lens):
+            table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+            start += n
+    elif layout == "engine":
+        prompt = [min(n, PROMPT) for n in lens]
+        for b, n in enumerate(prompt):
+            table[b, :n] = torch.arange(1 + b * PROMPT, 1 + b * PROMPT + n, dtype=torch.int32)
+        nxt = 1 + batch * PROMPT
+        for pos in range(PROMPT, 256):  # a decode step: one slot for each request still running
+            for b, n in enumerate(lens):
+                if pos < n:
+                    table[b, pos] = nxt
+                    nxt += 1
+    else:
+        raise ValueError(layout)
+    return table
+
+
+def make_case(batch: int, gen: torch.Generator, layout: str = "random") -> dict:
     lens = torch.randint(129, 257, (batch,), generator=gen) if batch > 1 else torch.tensor([192])
-    max_len, total = 256, int(lens.sum())
-    slots = torch.randperm(total, generator=gen) + 1  # slot 0: the dummy
-    req_to_token = torch.zeros(batch, max_len, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(lens.tolist()):
-        req_to_token[b, :n] = slots[start:start + n].to(torch.int32)
-        start += n
+    req_to_token = slot_table(lens.tolist(), layout, gen)
     dev = "cuda"
-    pool = (total + 1, KV_HEADS, HEAD_DIM)
+    pool = (int(req_to_token.max()) + 1, KV_HEADS, HEAD_DIM)
     ks = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
     vs = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dev, torch.bfloat16)
@@ -70,6 +99,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=300.0)
+    p.add_argument("--layouts", nargs="+", default=["random"],
+                   choices=["random", "engine", "contiguous"], help="where the slots lie")
+    p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
+    p.add_argument("--current-only", action="store_true", help="no sweep: the current config")
     args = p.parse_args()
     from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
                                                           decode_buffers, decode_launch_config)
@@ -79,14 +112,15 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "rows": [], "errors": []}
     grid = [DecodeConfig(s, bn, w, st) for s, bn, w, st in
             itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8), (2, 3, 4))]
-    for batch in BATCHES:
-        case = make_case(batch, gen)
+    for batch, layout in itertools.product(args.batches, args.layouts):
+        case = make_case(batch, gen, layout)
         ref = reference(case, 0, scale)
         bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda")
         out = torch.empty_like(case["q"])
         current = decode_launch_config(batch)
-        configs = [current] + [c for c in grid if c != current]
-        row = {"batch": batch, "lens_mean": sum(case["lens_cpu"]) / batch, "tried": []}
+        configs = [current] + ([] if args.current_only else [c for c in grid if c != current])
+        row = {"batch": batch, "layout": layout, "lens_mean": sum(case["lens_cpu"]) / batch,
+               "tried": []}
 
         def run(cfg, layer):
             return decode_attention(case["q"], case["ks"][layer], case["vs"][layer],
@@ -116,7 +150,7 @@ def main() -> None:
         row["wrong"] = len(bad)
         result["rows"].append(row)
         cur = row["tried"][0]
-        print(f"batch {batch} (mean {row['lens_mean']:.0f} keys): current {tuple(cur['config'].values())} "
+        print(f"batch {batch}, {layout} slots (mean {row['lens_mean']:.0f} keys): current {tuple(cur['config'].values())} "
               f"{cur.get('us_per_call', float('nan')):.2f} µs, err {cur.get('rel_err', float('nan')):.1e}; "
               f"{len(row['tried'])} tried, {row['wrong']} wrong")
         for t in row["best"]:

@@ -102,6 +102,17 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8e.json" ;;
     ab8b) run ab8b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --out "$OUT/ab8b.json" ;;
+    # ninth session: the TMA-fed decode-batch GEMM's sweep against cuBLAS and the table, then the
+    # engine with TMA qkv/o (and gate/up) entries vs without, then the final table vs the eighth
+    # session's; the decode attention over three slot layouts (the allocator's, random, contiguous)
+    gemm-tma) run gemm_tma 330 python3 benchmarks/gpu_gemm_tma.py --case-budget-s ${CASE_S:-25} \
+              --rows ${ROWS_TMA:-128 64} --out "$OUT/tma.json" --configs-out "$OUT/tma_configs.json" ;;
+    ab9d) run ab9d 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_ninth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --out "$OUT/ab9d.json" ;;
+    ab9e) run ab9e 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_ninth_session_e.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 128 --out "$OUT/ab9e.json" ;;
+    attn-layouts) run attn_layouts 240 python3 benchmarks/gpu_attention.py --current-only --batches 1 32 128 \
+              --layouts random engine contiguous --out "$OUT/attn_layouts.json" ;;
     # the decode graph kernel by kernel (PDL off, so that durations add up)
     kernels) run kernels 300 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --out "$OUT/kernels.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;

@@ -48,6 +48,9 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     # the next K chunk loaded before the FMA on this one (clamped at the split's last chunk)
     "fma_lookahead": Config(8, 16, lookahead=True),
     "fma_split_lookahead": Config(8, 16, 2, preload=2, lookahead=True),
+    # tiles loaded by TMA (zero-filled past the edges: ragged N, and K 48 against chunks of 32)
+    "tma": Config(16, 32, dot=True, block_m=16, tma=True),
+    "tma_small_tiles": Config(16, 16, dot=True, num_stages=4, block_m=16, tma=True),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 
@@ -247,3 +250,25 @@ def test_gpu_bf16_decode_batches(name):
     for m in (17, 32, 100, 128, 256):
         x = rand(m, k, dtype=torch.bfloat16, seed=m)
         assert rel_err(skinny_linear(x, w, b), F.linear(x, w, b)) <= 1e-2, m
+
+
+@gpu
+def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
+    """The table's TMA entries (qkv, o at 17-128 rows; gate/up at 33-64) replay in a CUDA graph
+    bit for bit as eager; rows TMA cannot read (not 16-byte aligned) are not offered to it."""
+    for name in ("qkv", "o"):
+        n, k, has_bias = QWEN2_1_5B[name]
+        w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
+        b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
+        for m in (24, 64, 128):
+            assert triton_gemv._config(m, n, k).tma
+            x = rand(m, k, dtype=torch.bfloat16, seed=m)
+            eager = skinny_linear(x, w, b)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = skinny_linear(x, w, b)
+            graph.replay()
+            assert torch.equal(out, eager) and rel_err(eager, F.linear(x, w, b)) <= 1e-2
+        unaligned = rand(64, k + 1, dtype=torch.bfloat16)[:, 1:]  # rows 2 * 1537 bytes apart
+        assert triton_gemv.supports(rand(64, k, dtype=torch.bfloat16), w)
+        assert not triton_gemv.supports(unaligned, w)

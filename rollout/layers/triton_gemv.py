@@ -7,9 +7,10 @@ its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels
 shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
-tuned table says it beats cuBLAS (on an H200: the fused gate/up + SiLU at 33-128 rows; never the
-plain projections, where cuBLAS's ~5-6 µs for qkv/o is launch and latency, not bandwidth, and
-split-K did not beat it). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+tuned table says it beats cuBLAS (on an H200: the fused gate/up + SiLU at 33-128 rows, and qkv
+and o at 17-128 rows with their tiles loaded by TMA — `Config.tma`, triton_gemm_tma — where
+cuBLAS's ~5-6 µs is latency, not bandwidth; down stays on cuBLAS). The caller keeps cuBLAS
+elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
 TRITON_INTERPRET=1 first.
 
@@ -71,6 +72,7 @@ class Config(NamedTuple):
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
     preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
+    tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma; no split-K)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -278,6 +280,7 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for the plain
 # projections none); other shapes take the heuristic.
 # µs per call in a CUDA graph, weights from HBM.
+_TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
     # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
@@ -288,8 +291,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # session, in the engine: batch-1 graph 1.242 ms with the sixth session's (2, 256) -> 1.156;
     # alone 15.4 µs without the preload, cuBLAS + SiLU 18.2)
     (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2),
-    (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5
-    (64, 17920, 1536, True): Config(64, 64, 1, 4, True, 4, 64),  # 19.1 vs 21.7
+    (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5 (TMA: graph +6% at batch 32)
+    # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
+    # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
+    (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64),  # 22.6 vs 22.8
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
@@ -297,16 +302,19 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # graph 1.263 -> 1.242 ms with it, then 1.168 -> 1.160 with the preload)
     (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3, preload=2, lookahead=True),
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
-    # Plain projections at decode batches (`gemv-batch` stage, fourth session): cuBLAS wins
-    # every one; best M-tiled (split-K) config vs cuBLAS, µs
-    (32, 2048, 1536, False): None,  # qkv 6.5 vs 5.3
-    (64, 2048, 1536, False): None,  # 6.5 vs 5.8
-    (128, 2048, 1536, False): None,  # 7.5 vs 6.1
-    (256, 2048, 1536, False): None,  # 8.3 vs 6.1
-    (32, 1536, 1536, False): None,  # o 6.3 vs 5.3
-    (64, 1536, 1536, False): None,  # 6.2 vs 5.4
-    (128, 1536, 1536, False): None,  # 7.0 vs 5.6
-    (256, 1536, 1536, False): None,  # 7.8 vs 5.9
+    # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
+    # of 128, six in flight (ninth session; alone at 128 rows qkv 5.0 µs vs cuBLAS 6.0, o 4.8 vs
+    # 5.5; in the engine the decode graph -2.1% at batches 32, 64 and 128,
+    # benchmarks/ab_ninth_session_d.json). The fourth session's M-tiled kernel without TMA lost
+    # to cuBLAS at every batch (qkv 6.5-8.3 µs vs 5.3-6.1). 256 rows: not measured, cuBLAS.
+    (32, 2048, 1536, False): _TMA_QKV_O,
+    (64, 2048, 1536, False): _TMA_QKV_O,
+    (128, 2048, 1536, False): _TMA_QKV_O,
+    (256, 2048, 1536, False): None,
+    (32, 1536, 1536, False): _TMA_QKV_O,
+    (64, 1536, 1536, False): _TMA_QKV_O,
+    (128, 1536, 1536, False): _TMA_QKV_O,
+    (256, 1536, 1536, False): None,
     (32, 1536, 8960, False): None,  # down 12.1 vs 11.6
     (64, 1536, 8960, False): None,  # 12.8 vs 11.6
     (128, 1536, 8960, False): None,  # 15.1 vs 12.0
@@ -387,8 +395,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
         return False
     key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
     if x.shape[0] > MAX_M:  # batches: only where a measured table entry says the kernel wins
-        return _TUNED.get(key) is not None
+        cfg = _TUNED.get(key)
+        return cfg is not None and (not cfg.tma or _tma_aligned(x, weight))
     return key not in _TUNED or _TUNED[key] is not None
+
+
+def _tma_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA reads rows whose start addresses are multiples of 16 bytes."""
+    size = x.element_size()
+    return (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (x.stride(0) * size) % 16 == 0 and (x.shape[1] * size) % 16 == 0)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -406,6 +422,9 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
+    if cfg.tma:
+        from rollout.layers import triton_gemm_tma  # imports this module
+        return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg)
     split = cfg.split_k
     k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
     partials = (torch.empty(split, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
