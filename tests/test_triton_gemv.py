@@ -272,3 +272,15 @@ def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
         unaligned = rand(64, k + 1, dtype=torch.bfloat16)[:, 1:]  # rows 2 * 1537 bytes apart
         assert triton_gemv.supports(rand(64, k, dtype=torch.bfloat16), w)
         assert not triton_gemv.supports(unaligned, w)
+
+
+def test_tma_entries_need_a_gpu_with_tma(monkeypatch):
+    """The table's TMA entries were measured on an H200: a GPU older than compute capability 9.0
+    (no TMA) is not offered them (cuBLAS instead)."""
+    capability = {0: (8, 0), 1: (9, 0)}  # an A100, an H100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
+    triton_gemv._has_tma.cache_clear()
+    try:
+        assert not triton_gemv._has_tma(0) and triton_gemv._has_tma(1)
+    finally:
+        triton_gemv._has_tma.cache_clear()

@@ -42,6 +42,7 @@ in triton_ops.silu_and_mul (libdevice expf, IEEE division, no FMA contraction).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import NamedTuple, Optional
@@ -396,15 +397,22 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
     if x.shape[0] > MAX_M:  # batches: only where a measured table entry says the kernel wins
         cfg = _TUNED.get(key)
-        return cfg is not None and (not cfg.tma or _tma_aligned(x, weight))
+        return cfg is not None and (not cfg.tma or _tma_can_read(x, weight))
     return key not in _TUNED or _TUNED[key] is not None
 
 
-def _tma_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA reads rows whose start addresses are multiples of 16 bytes."""
+def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The GPU has TMA (compute capability 9.0 and up: the table's TMA entries were measured on
+    an H200 and an older GPU takes cuBLAS instead) and the rows start at multiples of 16 bytes."""
     size = x.element_size()
-    return (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    return (_has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and (x.stride(0) * size) % 16 == 0 and (x.shape[1] * size) % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
