@@ -123,6 +123,8 @@ def test_bad_inputs_are_refused():
     w = rand(24, 48)
     with pytest.raises(ValueError, match="rows"):
         skinny_linear(rand(triton_gemv.BATCH_MAX_M + 1, 48), w)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # TMA: rows 28 bytes apart
+        skinny_linear(rand(4, 7)[:, 1:], rand(8, 6), config=Config(16, 16, dot=True, tma=True))
     with pytest.raises(ValueError, match="one dtype"):
         skinny_linear(rand(2, 32), w)
     with pytest.raises(ValueError, match="bias"):
@@ -254,8 +256,9 @@ def test_gpu_bf16_decode_batches(name):
 
 @gpu
 def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
-    """The table's TMA entries (qkv, o at 17-128 rows; gate/up at 33-64) replay in a CUDA graph
-    bit for bit as eager; rows TMA cannot read (not 16-byte aligned) are not offered to it."""
+    """The table's TMA entries for qkv and o (17-128 rows) replay in a CUDA graph bit for bit as
+    eager; rows TMA cannot read (not 16-byte aligned) are not offered to it. (The TMA gate/up
+    entry, 33-64 rows, is test_gpu_bf16_gate_up_silu_batches's 48 rows.)"""
     for name in ("qkv", "o"):
         n, k, has_bias = QWEN2_1_5B[name]
         w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5

@@ -58,7 +58,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if cfg.split_k != 1:
         raise ValueError("the TMA kernel does not split K")
-    if (x.stride(0) * x.element_size()) % 16 or (K * x.element_size()) % 16:
+    size = x.element_size()
+    if (x.stride(0) * size) % 16 or (K * size) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: x stride {x.stride(0)}, K {K}")
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])

@@ -278,9 +278,9 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # None: cuBLAS (+ the separate SiLU kernel, when gated) measured faster, so `supports` says no.
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
-# the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for the plain
-# projections none); other shapes take the heuristic.
-# µs per call in a CUDA graph, weights from HBM.
+# the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
+# to 128 with TMA (`bash benchmarks/gpu_suite.sh gemm-tma`); never down); other shapes take
+# the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
