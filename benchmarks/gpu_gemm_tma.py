@@ -1,7 +1,7 @@
 """Decode-batch GEMMs on one GPU, side by side: cuBLAS (+ the SiLU kernel for gate/up), the
 table's current path (triton_gemv's entry for the shape and rows, else cuBLAS) and the TMA-fed
 tensor-core kernel (rollout/layers/triton_gemm_tma.py) over a sweep of tile configs, Qwen2-1.5B
-shapes in bf16 at 32-256 rows.
+shapes in bf16 at 1-256 rows (decode batches) and a prefill chunk of thousands.
 
 Times as benchmarks/gpu_gemv.py (a CUDA graph of back-to-back calls rotating weight copies
 larger than L2, so each call reads its weight from HBM). Each config is also checked: relative
@@ -25,21 +25,75 @@ import torch.nn.functional as F
 from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, rel_err, time_per_call
 
 
-def candidates(M: int) -> list[dict]:
-    """TMA tile configs, the likeliest first (the sweep may be cut by the budget)."""
+KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
+
+
+def candidates(M: int, name: str = "") -> list[dict]:
+    """TMA tile configs (m, n, k, warps, stages, split along K, swapped A/B), the likeliest first
+    (the sweep may be cut by the budget)."""
+    if M == 1:
+        return _dicts(_one_row(name))
+    if M > 256:  # a prefill chunk: large tiles
+        return _dicts([(128, n, 64, 8, s, 1, False) for n in (64, 128) for s in (3, 4)]
+                      + [(128, 64, 64, 4, 3, 1, False), (64, 128, 64, 4, 4, 1, False),
+                         (128, 128, 32, 8, 5, 1, False)])
     bm = min(128, max(64, 1 << (M - 1).bit_length()))
     block_ms = [bm, 64] if bm == 128 else [bm]
-    # the ninth session's winners first (64 x 32 tiles, K chunks of 128 with 6 stages, or of 64
-    # with 4), then the first sweep's order
-    first = [(64, 32, 128, 4, 6), (64, 32, 64, 4, 4)] + [(bm, 64, 64, 4, s) for s in (4, 6, 3)] + [
-        (64, 64, 64, 4, 5), (bm, 128, 64, 8, 4), (bm, 64, 128, 4, 3), (bm, 32, 64, 4, 6)]
-    rest = [(m, n, k, w, s) for m in block_ms for n in (32, 64, 128)
+    first = []
+    if name == "down":  # K = 8,960: split it, or 96 programs of 64 x 32 leave SMs idle;
+        # wide N tiles read x (M x 8,960) fewer times, the split makes up the programs
+        first = [(bm, n, k, w, st, sp, False) for n, sp in ((128, 10), (128, 7), (64, 5),
+                                                            (64, 7), (128, 14), (64, 4))
+                 for k, w, st in ((128, 4, 4), (128, 8, 4), (64, 4, 6))]
+    if name == "down" and M >= 128:  # the weight tile on wgmma's 64-row side, 128 x rows
+        first = [(bm, 64, 128, 4, 4, 5, True), (bm, 64, 64, 4, 6, 5, True),
+                 (64, 64, 128, 4, 4, 5, True), (bm, 128, 64, 8, 4, 7, True)] + first
+    elif name == "gate_up" and M >= 128:  # swapped A/B, then the rest of the ninth session's
+        first = [(128, 64, 64, 4, 3, 1, True), (64, 64, 64, 4, 4, 1, True),
+                 (64, 64, 128, 4, 3, 1, True), (128, 64, 64, 8, 3, 1, True),
+                 (64, 128, 64, 4, 3, 1, True), (128, 64, 128, 8, 2, 1, True),
+                 (64, 64, 64, 4, 3, 1, True)]
+        first += [(128, 32, 64, 4, 2, 1, False), (128, 32, 128, 4, 2, 1, False),
+                 (64, 32, 64, 4, 3, 1, False), (64, 32, 64, 4, 2, 1, False),
+                 (128, 16, 128, 4, 3, 1, False), (128, 16, 128, 4, 4, 1, False),
+                 (128, 16, 64, 4, 4, 1, False), (128, 32, 64, 8, 2, 1, False)]
+    if M <= 64:  # the weight tile on wgmma's 64-row side, x's rows on the narrow one
+        first += [(M, n, k, 4, s, 1, True) for n in (64, 128) for k, s in ((128, 4), (64, 6))]
+    # the ninth session's winners, then its first sweep's order
+    first += [(64, 32, 128, 4, 6, 1, False), (64, 32, 64, 4, 4, 1, False)] + [
+        (bm, 64, 64, 4, s, 1, False) for s in (4, 6, 3)] + [
+        (64, 64, 64, 4, 5, 1, False), (bm, 128, 64, 8, 4, 1, False),
+        (bm, 64, 128, 4, 3, 1, False), (bm, 32, 64, 4, 6, 1, False)]
+    rest = [(m, n, k, w, s, 1, False) for m in block_ms for n in (32, 64, 128)
             for k in (64, 128) for w in (4, 8) for s in (3, 4, 5, 6)]
+    return _dicts(first + rest)
+
+
+def _one_row(name: str) -> list[tuple]:
+    """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
+    64-row side; K split where the N tiles alone are too few programs."""
+    if name == "gate_up":  # 8,960 columns a half; 36 KB a stage at 64 x 128: 3 stages keep
+        # two programs on an SM (140 programs of 64 columns on 132 SMs)
+        return ([(16, 64, 128, 4, 3, 1, True), (16, 64, 64, 4, 6, 1, True),
+                 (16, 32, 128, 4, 4, 1, True), (16, 32, 256, 4, 3, 1, True),
+                 (16, 64, 256, 4, 2, 1, True), (16, 64, 128, 4, 4, 1, True),
+                 (16, 128, 64, 4, 4, 1, True), (16, 32, 128, 4, 6, 1, True)]
+                + [(16, n, k, 4, s, 1, False) for n, k, s in ((32, 128, 4), (32, 256, 3),
+                                                              (64, 128, 3))])
+    if name == "down":  # 1,536 columns, K = 8,960
+        return [(16, n, k, 4, s, sp, True) for n, sp in ((64, 5), (64, 10), (64, 7), (128, 10),
+                                                        (64, 4), (128, 7))
+                for k, s in ((128, 4), (256, 3), (128, 6))]
+    return [(16, n, k, 4, s, sp, True) for n, sp in ((64, 4), (64, 2), (64, 6), (128, 4), (64, 1))
+            for k, s in ((128, 4), (256, 2))]
+
+
+def _dicts(configs: list[tuple]) -> list[dict]:
     seen, out = set(), []
-    for c in first + rest:
+    for c in configs:
         if c not in seen:
             seen.add(c)
-            out.append(dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c)))
+            out.append(dict(zip(KEYS, c)))
     return out
 
 
@@ -56,8 +110,13 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float) -> dict:
 
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
-            c = g.Config(cfg["block_n"], cfg["block_k"], 1, cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True)
+            c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
+            if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
+                from rollout.layers import triton_gemm_tma as t
+                width = N // 2 if gated else N
+                return lambda i: t.launch(x, ws[i], bias, torch.empty(M, width, device="cuda",
+                                                                      dtype=x.dtype), gated, c)
             if gated:
                 return lambda i: g.skinny_gate_up_silu(x, ws[i], N // 2, config=c)
             return lambda i: g.skinny_linear(x, ws[i], bias, config=c)
@@ -80,7 +139,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float) -> dict:
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    for c in candidates(M):
+    for c in candidates(M, name):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -119,7 +178,7 @@ def main() -> None:
     result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
-          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages)")
+          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:
         for name in args.shapes:
             try:
@@ -139,7 +198,7 @@ def main() -> None:
                 json.dump(result, f, indent=1)
     if args.configs_out:
         entries = [{"M": r["M"], "N": r["N"], "K": r["K"], "gated": r["gated"],
-                    "config": {"split_k": 1, "dot": True, "tma": True, **r["best"]["config"]}}
+                    "config": {"dot": True, "tma": True, **r["best"]["config"]}}
                    for r in result["cases"] if r.get("speedup_vs_table", 0) >= args.min_gain]
         with open(args.configs_out, "w") as f:
             json.dump(entries, f, indent=1)

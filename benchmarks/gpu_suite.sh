@@ -113,6 +113,30 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 32 128 --out "$OUT/ab9e.json" ;;
     attn-layouts) run attn_layouts 240 python3 benchmarks/gpu_attention.py --current-only --batches 1 32 128 \
               --layouts random engine contiguous --out "$OUT/attn_layouts.json" ;;
+    # tenth session: the TMA kernel split along K and with swapped A/B, one row and decode
+    # batches (down, the rest of gate/up at 128 rows, swapped gate/up at 32), and a prefill
+    # chunk's fused gate/up + SiLU against cuBLAS + the SiLU kernel; the batch-128 prefill's kernels
+    tma10) run tma10_rows1 200 python3 benchmarks/gpu_gemm_tma.py --case-budget-s ${CASE_S:-30} --rows 1 \
+              --shapes gate_up down qkv o --out "$OUT/tma10_rows1.json" --configs-out "$OUT/tma10_rows1_configs.json"
+           run tma10_down 160 python3 benchmarks/gpu_gemm_tma.py --case-budget-s ${CASE_S:-30} --rows 128 64 32 \
+              --shapes down --out "$OUT/tma10_down.json" --configs-out "$OUT/tma10_down_configs.json"
+           run tma10_gate_up 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s ${CASE_S:-30} --rows 128 32 \
+              --shapes gate_up --out "$OUT/tma10_gate_up.json" --configs-out "$OUT/tma10_gate_up_configs.json"
+           run tma10_prefill 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 50 --rows 8192 \
+              --shapes gate_up --out "$OUT/tma10_prefill.json" ;;
+    tma10b) run tma10b 150 bash -c 'python3 benchmarks/gpu_gemm_tma.py --case-budget-s 25 --rows 128 \
+              --shapes gate_up down --out $OUT/tma10b.json && python3 benchmarks/gpu_gemm_tma.py --case-budget-s 15 \
+              --rows 8192 --shapes gate_up --out $OUT/tma10b_prefill.json' ;;
+    ab10) run ab10 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 64 --out "$OUT/ab10.json" ;;
+    ab10b) run ab10b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab10b.json" ;;
+    prefill-host128) run prefill_host128 200 python3 benchmarks/prefill_host_profile.py --batch 128 --calls 3 \
+              --out "$OUT/prefill_host128.txt" ;;
+    tma10-prefill) run tma10_prefill 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 30 --rows 8192 \
+              --shapes gate_up --out "$OUT/tma10_prefill.json" ;;
+    prefill-kernels) run prefill_kernels 200 python3 benchmarks/prefill_kernel_profile.py --batch 128 \
+              --out "$OUT/prefill_kernels.json" ;;
     # the decode graph kernel by kernel (PDL off, so that durations add up)
     kernels) run kernels 300 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --out "$OUT/kernels.json" ;;
     profile) run profile 400 python3 benchmarks/profile_decode.py --out "$OUT/profile.txt" ;;

@@ -30,6 +30,11 @@ def kernel_table(graph, replays: int) -> list[dict]:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    return cuda_kernel_rows(prof, replays)
+
+
+def cuda_kernel_rows(prof, replays: int) -> list[dict]:
+    """Each CUDA kernel's GPU time and launches per replay, the longest first."""
     per = collections.defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

@@ -51,6 +51,12 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     # tiles loaded by TMA (zero-filled past the edges: ragged N, and K 48 against chunks of 32)
     "tma": Config(16, 32, dot=True, block_m=16, tma=True),
     "tma_small_tiles": Config(16, 16, dot=True, num_stages=4, block_m=16, tma=True),
+    # split along K (the last split's range runs past K: zero-filled), the weight tile on the
+    # MMA's M side (out^T = W x^T), both
+    "tma_split": Config(16, 16, 3, dot=True, block_m=16, tma=True),
+    "tma_swap": Config(16, 32, dot=True, block_m=16, tma=True, swap_ab=True),
+    "tma_swap_split": Config(32, 16, 2, dot=True, num_stages=4, block_m=16, tma=True,
+                             swap_ab=True),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 
@@ -84,12 +90,14 @@ def test_skinny_gate_up_silu_fp32(config, shape):
 
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_decode_batches_tile_m_fp32(block_m, split_k):
-    """Above 16 rows (decode batches) the dot kernel also tiles M (ragged last tile), with and
+@pytest.mark.parametrize("kernel", ["dot", "tma", "tma_swap"])
+def test_decode_batches_tile_m_fp32(block_m, split_k, kernel):
+    """Above 16 rows (decode batches) the dot kernels also tile M (ragged last tile), with and
     without split-K, for the plain GEMM (with bias) and the fused gate/up + SiLU."""
     inter, k = 24, 48
     w, b = rand(2 * inter, k, seed=7), rand(2 * inter, seed=8)
-    cfg = Config(16, 16, split_k, dot=True, block_m=block_m)
+    cfg = Config(16, 16, split_k, dot=True, block_m=block_m, tma=kernel != "dot",
+                 swap_ab=kernel == "tma_swap")
     for m in (17, 40):
         x = rand(m, k, seed=m)
         out = skinny_gate_up_silu(x, w, inter, config=cfg)
@@ -256,14 +264,15 @@ def test_gpu_bf16_decode_batches(name):
 
 @gpu
 def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
-    """The table's TMA entries for qkv and o (17-128 rows) replay in a CUDA graph bit for bit as
-    eager; rows TMA cannot read (not 16-byte aligned) are not offered to it. (The TMA gate/up
-    entry, 33-64 rows, is test_gpu_bf16_gate_up_silu_batches's 48 rows.)"""
-    for name in ("qkv", "o"):
+    """The table's TMA entries for qkv and o (17-128 rows) and down split along K (17-64 rows)
+    replay in a CUDA graph bit for bit as eager; rows TMA cannot read (not 16-byte aligned) are
+    not offered to it. (The TMA gate/up entry, 33-64 rows, is
+    test_gpu_bf16_gate_up_silu_batches's 48 rows.)"""
+    for name, rows in (("qkv", (24, 64, 128)), ("o", (24, 64, 128)), ("down", (24, 64))):
         n, k, has_bias = QWEN2_1_5B[name]
         w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
         b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
-        for m in (24, 64, 128):
+        for m in rows:
             assert triton_gemv._config(m, n, k).tma
             x = rand(m, k, dtype=torch.bfloat16, seed=m)
             eager = skinny_linear(x, w, b)

@@ -8,6 +8,11 @@ six K chunks in flight: alone on an H200, qkv 6.0 -> 5.0 µs and o 5.5 -> 4.8 at
 fused gate/up + SiLU 23.6 -> 19.1 at 64 (`benchmarks/gpu_gemm_tma.py`). The epilogue is
 triton_gemv's (bias, or SiLU · up, rounded as the unfused path). Off a Hopper-class GPU the
 interpreter runs it too (CPU specs).
+
+Two options of the launch config: `split_k` (down's K = 8,960 over 5-7 programs a tile, fp32
+partials summed in split order by triton_gemv's reduce kernel: deterministic; at 32-64 rows
+10.5 µs vs cuBLAS 11.5) and `swap_ab` (out^T = W x^T: the weight tile fills wgmma's 64-row
+side and x's rows the narrow one; gate/up at 128 rows 22.0 µs vs 22.8).
 """
 from __future__ import annotations
 
@@ -18,33 +23,54 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rollout.layers.triton_gemv import Config, _epilogue
+from rollout.layers.triton_gemv import (Config, _epilogue, reduce_split, split_k_range,
+                                         split_partials)
 from rollout.layers.triton_ops import _is_compiled
 from rollout.triton_pdl import launch_options, pdl_wait
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_tma_kernel(x_desc, w_desc, Bias, Y, M, N, K, stride_ym,
+def _gemm_tma_kernel(x_desc, w_desc, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-                     PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, COMPILED: tl.constexpr, PREC: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     # M blocks innermost: the programs that read one weight block run side by side (L2 hits)
     blocks_m = tl.cdiv(M, BLOCK_M)
-    pid = tl.program_id(0)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     off_m = (pid % blocks_m) * BLOCK_M
     off_n = (pid // blocks_m) * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):  # past M, N (gate rows: up rows, unused) or K: zeros / unused
+    k_start = pid_k * K_SPLIT
+    # SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few rows of x fill the
+    # narrow N side instead of padding the 64-row M side of Hopper's wgmma
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # past M, N (gate rows: up rows, unused) or K: zeros / unused; a split's range ends at the
+    # next split's start (K_SPLIT is a multiple of BLOCK_K)
+    for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
         x = x_desc.load([off_m, k])
-        acc = tl.dot(x, w_desc.load([off_n, k]).T, acc, input_precision=PREC)
+        w = w_desc.load([off_n, k])
+        if SWAP_AB:
+            acc = tl.dot(w, x.T, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(x, w.T, acc, input_precision=PREC)
         if GATED:  # the up half's rows start at N
-            acc_up = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_up, input_precision=PREC)
+            w_up = w_desc.load([N + off_n, k])
+            if SWAP_AB:
+                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
+            else:
+                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
+    if SWAP_AB:
+        acc, acc_up = acc.T, acc_up.T
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    _epilogue(acc, acc_up, Bias, Y, Y, offs_m, offs_n, M, N, stride_ym, 0, HAS_BIAS, GATED, 1,
-              COMPILED)
+    _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
+              SPLIT, COMPILED)
 
 
 _COMPILED = _is_compiled(_gemm_tma_kernel)
@@ -53,21 +79,25 @@ _COMPILED = _is_compiled(_gemm_tma_kernel)
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
            gated: bool, cfg: Config) -> torch.Tensor:
     """out = x @ weight.T (+ bias), or silu(gate) · up of the fused [gate | up] weight; shapes
-    checked by triton_gemv. TMA wants 16-byte aligned rows."""
+    checked by triton_gemv. TMA wants 16-byte aligned rows. Split along K: fp32 partials summed
+    in split order by triton_gemv's reduce kernel (deterministic)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
-    if cfg.split_k != 1:
-        raise ValueError("the TMA kernel does not split K")
     size = x.element_size()
     if (x.stride(0) * size) % 16 or (K * size) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: x stride {x.stride(0)}, K {K}")
+    split, k_split = split_k_range(K, cfg)
+    partials = split_partials(M, N, gated, split, out)
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     _gemm_tma_kernel[grid](
-        x_desc, w_desc, bias if bias is not None else out, out, M, N, K, out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, GATED=gated, COMPILED=_COMPILED,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False, **launch_options())
+        x_desc, w_desc, bias if bias is not None else out, out, partials, M, N, K, k_split,
+        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=split, SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
+        COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **launch_options())
+    if split > 1:
+        reduce_split(partials, bias, out, gated, split)
     return out

@@ -7,10 +7,10 @@ its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels
 shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
-tuned table says it beats cuBLAS (on an H200: the fused gate/up + SiLU at 33-128 rows, and qkv
-and o at 17-128 rows with their tiles loaded by TMA — `Config.tma`, triton_gemm_tma — where
-cuBLAS's ~5-6 µs is latency, not bandwidth; down stays on cuBLAS). The caller keeps cuBLAS
-elsewhere (and everywhere off CUDA); like
+tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
+triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
+cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-64 rows split along K; down at
+65-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
 TRITON_INTERPRET=1 first.
 
@@ -73,7 +73,8 @@ class Config(NamedTuple):
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
     preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
-    tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma; no split-K)
+    tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
+    swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -279,9 +280,10 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
-# to 128 with TMA (`bash benchmarks/gpu_suite.sh gemm-tma`); never down); other shapes take
-# the heuristic. µs per call in a CUDA graph, weights from HBM.
+# to 128, for down 32 and 64, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
+# other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
+_HEURISTIC = Config(0, 0)  # supports(): no table entry, the heuristic's config (never TMA)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
     # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
@@ -296,7 +298,11 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
     # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
     (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
-    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64),  # 22.6 vs 22.8
+    # 65-128 rows: TMA-fed with swapped A/B (the weight tile on wgmma's 64-row side, x's 64
+    # rows on the other; tenth session: alone 22.0 µs vs 22.8 for the kernel without TMA and
+    # 23.1 for cuBLAS + SiLU; batch-128 decode graph 1.9803 -> 1.9506 ms,
+    # benchmarks/ab_tenth_session_b.json)
+    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True),
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
     # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
@@ -316,9 +322,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (64, 1536, 1536, False): _TMA_QKV_O,
     (128, 1536, 1536, False): _TMA_QKV_O,
     (256, 1536, 1536, False): None,
-    (32, 1536, 8960, False): None,  # down 12.1 vs 11.6
-    (64, 1536, 8960, False): None,  # 12.8 vs 11.6
-    (128, 1536, 8960, False): None,  # 15.1 vs 12.0
+    # down at decode batches of 17-64 rows: TMA-fed, K = 8,960 split in 7 / 5 (fp32 partials
+    # summed in split order), 64-row tiles 128 / 64 columns wide (tenth session; alone 10.5 µs
+    # vs cuBLAS 11.5 at 32 rows, 10.6 vs 11.6 at 64; in the engine, benchmarks/
+    # ab_tenth_session.json, decode graph batch 32 1.6462 -> 1.6173 ms, batch 64 1.6672 ->
+    # 1.6492). At 128 rows no config beat cuBLAS (12.0 µs; 12.05 swapped, 12.35 not).
+    (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
+    (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
+    (128, 1536, 8960, False): None,  # cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
 }
 
@@ -395,10 +406,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     if not ok:
         return False
     key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
-    if x.shape[0] > MAX_M:  # batches: only where a measured table entry says the kernel wins
-        cfg = _TUNED.get(key)
-        return cfg is not None and (not cfg.tma or _tma_can_read(x, weight))
-    return key not in _TUNED or _TUNED[key] is not None
+    if x.shape[0] > MAX_M and key not in _TUNED:  # batches: only where a table entry says so
+        return False
+    cfg = _TUNED.get(key, _HEURISTIC)
+    return cfg is not None and (not cfg.tma or _tma_can_read(x, weight))
 
 
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -433,10 +444,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg)
-    split = cfg.split_k
-    k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
-    partials = (torch.empty(split, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
-                if split > 1 else out)
+    split, k_split = split_k_range(K, cfg)
+    partials = split_partials(M, N, gated, split, out)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     w_up = weight[N:] if gated else weight  # the up half's rows
@@ -460,12 +469,33 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
             LOOKAHEAD=bool(cfg.lookahead), **meta)
     if split > 1:
-        block = min(1024, triton.next_power_of_2(N))
-        _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
-            partials, bias_arg, out, M, N, out.stride(0), SPLIT=split, BLOCK=block,
-            HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
-            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False, **launch_options())
+        reduce_split(partials, bias, out, gated, split)
     return out
+
+
+def split_k_range(K: int, cfg: Config) -> tuple[int, int]:
+    """(programs along K, K a program covers: whole chunks, the last split's range may run past
+    K) for a launch config."""
+    split = cfg.split_k
+    return split, triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
+
+
+def split_partials(M: int, N: int, gated: bool, split: int, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 partials [split, M, N (·2 gated)] a split-K launch writes (else `out`, unused)."""
+    if split == 1:
+        return out
+    return torch.empty(split, M, 2 * N if gated else N, dtype=torch.float32, device=out.device)
+
+
+def reduce_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                 gated: bool, split: int) -> None:
+    """out = the sum of the partials in split order (+ bias, or silu(gate) · up when gated)."""
+    M, N = out.shape
+    block = min(1024, triton.next_power_of_2(N))
+    _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
+        partials, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT=split,
+        BLOCK=block, HAS_BIAS=bias is not None, GATED=gated, COMPILED=_COMPILED,
+        num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False, **launch_options())
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
