@@ -141,6 +141,103 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages
     assert all(torch.equal(r, out) for r in replays)
 
 
+def rope_step_inputs(p: Paged, heads: int, head_dim: int, dtype, seed: int):
+    """A decode step's unrotated q and new keys [batch, heads + kv_heads, head_dim], values,
+    cos / sin [batch, 1, head_dim / 2] and the new tokens' slots (each request's last)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, kv_heads = len(p.seq_lens), p.k.shape[1]
+    qk = torch.randn(batch, heads + kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    v = torch.randn(batch, kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    angles = torch.rand(batch, 1, head_dim // 2, generator=gen) * 6.3
+    loc = torch.stack([p.slots(b)[-1] for b in range(batch)])
+    return qk, v, angles.cos().to(DEV, dtype), angles.sin().to(DEV, dtype), loc
+
+
+def rope_then_decode(p: Paged, qk, v, cos, sin, loc, heads, config, fused: bool):
+    """Attention output and the KV buffers after it: the rotary kernel storing K/V then the
+    decode kernel, or the decode kernel doing both (`DecodeRope`); the new slots poisoned."""
+    from rollout.layers import triton_ops
+    k_buf, v_buf = p.k.clone().index_fill_(0, loc, float("nan")), p.v.clone()
+    v_buf.index_fill_(0, loc, float("nan"))
+    qk = qk.clone()
+    lens = torch.tensor(p.seq_lens, device=DEV)
+    scale = qk.shape[2] ** -0.5
+    if fused:
+        rope = decode.DecodeRope(cos, sin, qk[:, heads:], v, loc)
+        out = decode_attention(qk[:, :heads], k_buf, v_buf, p.req_to_token, p.rows, lens, scale,
+                               config, rope=rope)
+    else:
+        triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(v, loc, k_buf, v_buf))
+        out = decode_attention(qk[:, :heads], k_buf, v_buf, p.req_to_token, p.rows, lens, scale,
+                               config)
+    return out, k_buf, v_buf
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_with_rope_equals_rotary_kernel_then_decode(head_dim, num_splits):
+    """The decode kernel rotating q and the new key itself and storing the new key and value
+    gives the rotary kernel's + the decode kernel's output and KV cache, bit for bit (fp32;
+    the new slots hold NaN before: the kernel never reads them back)."""
+    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=head_dim)
+    inputs = rope_step_inputs(p, 4, head_dim, torch.float32, seed=head_dim)
+    cfg = decode.DecodeConfig(num_splits)
+    fused = rope_then_decode(p, *inputs, 4, cfg, fused=True)
+    separate = rope_then_decode(p, *inputs, 4, cfg, fused=False)
+    assert not fused[0].isnan().any()
+    for a, b in zip(fused, separate):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_gpu_decode_with_rope_in_a_graph_equals_rotary_kernel_then_decode():
+    """bf16, 128 requests of 1-300 keys, Qwen2-1.5B heads, 8 and 2 splits: the rotating decode
+    kernel replayed in a CUDA graph (under PDL; the new slots poisoned before every replay)
+    gives the rotary kernel's + the decode kernel's output and KV cache, bit for bit."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(5)
+    lens_cpu = torch.randint(1, 301, (128,), generator=gen).tolist()
+    p = make_paged(lens_cpu, [n - 1 for n in lens_cpu], kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16)
+    qk, v, cos, sin, loc = rope_step_inputs(p, 12, 128, torch.bfloat16, seed=5)
+    lens = torch.tensor(lens_cpu, device=DEV)
+    for cfg in (decode.DecodeConfig(8, num_stages=2), decode.DecodeConfig(2, 64, 2, 3)):
+        expected = rope_then_decode(p, qk, v, cos, sin, loc, 12, cfg, fused=False)
+        k_buf, v_buf = p.k.clone(), p.v.clone()
+        out = torch.empty(128, 12, 128, device=DEV, dtype=torch.bfloat16)
+        scratch = decode.decode_buffers(128, 12, 128, cfg.splits, DEV)
+        rope = decode.DecodeRope(cos, sin, qk[:, 12:], v, loc)
+
+        def step():
+            k_buf.index_fill_(0, loc, float("nan"))
+            v_buf.index_fill_(0, loc, float("nan"))
+            decode_attention(qk[:, :12], k_buf, v_buf, p.req_to_token, p.rows, lens,
+                             128 ** -0.5, cfg, scratch, out, rope=rope)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(10):
+            graph.replay()
+            assert torch.equal(out, expected[0]), cfg
+            assert torch.equal(k_buf, expected[1]) and torch.equal(v_buf, expected[2]), cfg
+
+
+def test_decode_rope_refuses_what_does_not_fit():
+    p = make_paged([3, 4], [2, 3], kv_heads=2, head_dim=16)
+    qk, v, cos, sin, loc = rope_step_inputs(p, 4, 16, torch.float32, seed=0)
+    lens = torch.tensor(p.seq_lens, device=DEV)
+    for bad in (decode.DecodeRope(cos[:, :, :4], sin, qk[:, 4:], v, loc),
+                decode.DecodeRope(cos, sin, qk[:, 3:], v, loc),
+                decode.DecodeRope(cos.double(), sin.double(), qk[:, 4:], v, loc),
+                decode.DecodeRope(cos, sin, qk[:, 4:], v, loc[:1])):
+        with pytest.raises(ValueError, match="decode rope"):
+            decode_attention(qk[:, :4], p.k, p.v, p.req_to_token, p.rows, lens, 0.25, rope=bad)
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_decode_kernel_launch_configs_match_reference(block_n):
     """Another keys-per-block (and the warps/stages a tuned table may pick): the same function;
