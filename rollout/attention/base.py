@@ -3,7 +3,7 @@ layer's attention for that batch; the KV of the new tokens is written through th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,24 +29,9 @@ class AttentionBackend(ABC):
     def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         """q: [batch, heads, head_dim], one token per request → same shape."""
 
-    def rotates_in_decode(self, fb: "ForwardBatch", layer: "Attention", v: torch.Tensor) -> bool:
-        """True when this decode batch's attention can take q and k unrotated with the rotary
-        tables (`forward(..., rope=...)`): it rotates them and stores k and v itself, one
-        kernel a layer fewer. None of the base's."""
-        return False
-
-    def forward_decode_rotating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                rope: tuple[torch.Tensor, torch.Tensor], layer: "Attention",
-                                fb: "ForwardBatch") -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} does not rotate in decode")
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "Attention", fb: "ForwardBatch", kv_stored: bool = False,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """`kv_stored`: the model already wrote k and v to the pool (the fused rotary kernel).
-        `rope`: (cos, sin) of unrotated q and k, where `rotates_in_decode` said so."""
-        if rope is not None:
-            return self.forward_decode_rotating(q, k, v, rope, layer, fb)
+                layer: "Attention", fb: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the model already wrote k and v to the pool (the fused rotary kernel)."""
         if not kv_stored:
             fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode:

@@ -113,9 +113,7 @@ class TorchNativeBackend(AttentionBackend):
         return PaddedMetadata(slots.reshape(-1), mask.unsqueeze(1), token_batch, token_offset,
                               fb.batch_size, max_len, max_q)
 
-    def forward(self, q, k, v, layer, fb, kv_stored: bool = False, rope=None):
-        if rope is not None:  # never asked: this backend does not rotate in decode
-            return self.forward_decode_rotating(q, k, v, rope, layer, fb)
+    def forward(self, q, k, v, layer, fb, kv_stored: bool = False):
         pool = fb.token_to_kv_pool
         kb, vb = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         if kb.device.type == "cpu" and k.dtype == kb.dtype and v.dtype == vb.dtype:

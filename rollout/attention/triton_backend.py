@@ -6,26 +6,19 @@ graph batch, and the capture/replay hooks fill them in place, so a captured grap
 the same addresses. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeRope, decode_attention,
-                                                      decode_buffers, decode_launch_config,
-                                                      launch_table_from_env)
+from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
+                                                      decode_launch_config, launch_table_from_env)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
     from rollout.layers.attention import Attention
-
-
-# GPU decode: the decode kernel rotates q and the new key and stores the new K/V (no rotary
-# kernel). 0: the rotary kernel instead (A/B).
-DECODE_ROPE = os.environ.get("ROLLOUT_DECODE_ROPE", "1") != "0"
 
 
 @dataclass
@@ -95,23 +88,6 @@ class TritonBackend(AttentionBackend):
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.seq_lens, layer.scaling,
             buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]))
-
-    def rotates_in_decode(self, fb: "ForwardBatch", layer: "Attention", v: torch.Tensor) -> bool:
-        """On a GPU, where the pool lets a kernel store the step's K/V rows itself (as the
-        fused rotary kernel does)."""
-        return (DECODE_ROPE and self.device.type == "cuda" and fb.forward_mode.is_decode
-                and fb.token_to_kv_pool.rotary_store_target(layer.layer_id, fb.out_cache_loc, v)
-                is not None)
-
-    def forward_decode_rotating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                rope: tuple[torch.Tensor, torch.Tensor], layer: "Attention",
-                                fb: "ForwardBatch") -> torch.Tensor:
-        m, pool = self.meta, fb.token_to_kv_pool
-        return decode_attention(
-            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
-            m.req_pool_indices, m.seq_lens, layer.scaling,
-            buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]),
-            rope=DecodeRope(*rope, k, v, fb.out_cache_loc))
 
     def decode_config(self, batch: int) -> DecodeConfig:
         """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA

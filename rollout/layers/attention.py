@@ -1,8 +1,6 @@
 """The attention op of one layer: a handle that the backend serves (SGLang's RadixAttention)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -17,10 +15,8 @@ class Attention(nn.Module):
         self.scaling = head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
-                kv_stored: bool = False,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                kv_stored: bool = False) -> torch.Tensor:
         """q/k/v: [tokens, heads, head_dim] → [tokens, heads * head_dim]. `kv_stored`: k and v
-        are already in the KV pool (written by the rotary kernel). `rope`: (cos, sin) when q
-        and k are still unrotated (the backend's `rotates_in_decode`)."""
-        out = fb.attn_backend.forward(q, k, v, self, fb, kv_stored, rope)
+        are already in the KV pool (written by the rotary kernel)."""
+        out = fb.attn_backend.forward(q, k, v, self, fb, kv_stored)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -42,9 +42,6 @@ class DecoderAttention(nn.Module):
         kv_stored = False
         if qk.is_cuda:  # fused Triton kernels, in place on the fresh qkv_proj output
             from rollout.layers import triton_ops
-            if self.q_norm is None and fb.attn_backend.rotates_in_decode(fb, self.attn, v):
-                q, k = qk.split([self.heads, self.kv_heads], dim=1)  # rotated by the attention
-                return self.o_proj(self.attn(q, k, v, fb, rope=rope))
             if self.q_norm is not None:
                 for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
                                        (self.q_norm, self.k_norm)):

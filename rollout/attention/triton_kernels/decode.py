@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
-from rollout.layers.triton_ops import _is_compiled, _round
 from rollout.triton_pdl import launch_options, pdl_wait
 
 BLOCK_N = 32  # keys per inner step (default)
@@ -35,24 +34,13 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
-def _rotate(x, x_rot, cos, sin_signed, dt: tl.constexpr, COMPILED: tl.constexpr):
-    """The rotary embedding of x (fp32 loads of dt values) as the rotary kernel rounds it:
-    round(round(x cos) + round(rotate_half(x) sin)), with x_rot = x shifted by half the head
-    and the first half's sin negated (round(-a) = -round(a): the same bits)."""
-    return _round(_round(x * cos, dt, COMPILED) + _round(x_rot * sin_signed, dt, COMPILED), dt,
-                  COMPILED)
-
-
-@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    Cos, Sin, KNew, VNew, Loc, stride_cb, stride_sb, stride_knb, stride_knh, stride_vnb,
-    stride_vnh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    ROPE: tl.constexpr, COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,35 +58,10 @@ def _decode_partial_kernel(
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if ROPE:  # the new token's rotation angles: also written before the step's first kernel
-        half: tl.constexpr = HEAD_DIM // 2
-        offs_rot = (offs_d + half) % HEAD_DIM  # rotate_half's source of each element
-        cos = tl.load(Cos + b * stride_cb + offs_d % half, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(Sin + b * stride_sb + offs_d % half, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.where(offs_d < half, -sin, sin)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
-        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
-        qd_mask = h_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + offs_d[None, :], mask=qd_mask, other=0.0)
-        if ROPE:
-            # q and the new key arrive unrotated (no rotary kernel): rotate them here, rounded
-            # as that kernel does; the split holding the last position stores the key and value
-            # into the token's slot and uses them from registers (its slot is not read)
-            dt = Q.dtype.element_ty
-            q_rot = tl.load(q_ptr + offs_rot[None, :], mask=qd_mask, other=0.0).to(tl.float32)
-            q = _rotate(q.to(tl.float32), q_rot, cos[None, :], sin[None, :], dt, COMPILED).to(dt)
-            kn_ptr = KNew + b * stride_knb + kv_head * stride_knh
-            k_new = _rotate(tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
-                            tl.load(kn_ptr + offs_rot, mask=d_mask, other=0.0).to(tl.float32),
-                            cos, sin, dt, COMPILED).to(K.dtype.element_ty)
-            v_new = tl.load(VNew + b * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_mask,
-                            other=0.0).to(V.dtype.element_ty)
-            last = seq_len - 1
-            if end == seq_len:
-                slot = tl.load(Loc + b).to(tl.int64)
-                tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=d_mask)
-                tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=d_mask)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -109,8 +72,6 @@ def _decode_partial_kernel(
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
             k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                           mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-            if ROPE:
-                k_t = tl.where((offs_n == last)[None, :], k_new[:, None], k_t)
             s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -119,8 +80,6 @@ def _decode_partial_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            if ROPE:
-                v = tl.where((offs_n == last)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
@@ -227,32 +186,16 @@ def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
     return part_o, part_lse
 
 
-class DecodeRope(NamedTuple):
-    """The step's new tokens, not yet rotated nor stored: `decode_attention` rotates q and the
-    new keys (cos / sin [batch, 1, head_dim / 2] of q's dtype, as `apply_rotary_inplace` takes
-    them) and stores the keys and values [batch, kv_heads, head_dim] into slots `loc` [batch]
-    of the KV buffers: the rotary kernel's work, without its launch."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    loc: torch.Tensor
-
-
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
                      config: DecodeConfig = DecodeConfig(),
                      buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out: torch.Tensor | None = None,
-                     rope: Optional[DecodeRope] = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
     [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
-    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits.
-    `rope`: q and the new keys and values as the projection left them (`DecodeRope`)."""
+    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits."""
     group = check_kv(q, k_buffer, v_buffer)
-    if rope is not None:
-        _check_rope(q, k_buffer, rope)
     batch, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -268,41 +211,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        *_rope_args(rope, q),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
-        COMPILED=_COMPILED, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options())
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options())
     _decode_reduce_kernel[(batch, heads)](
         part_o, part_lse, seq_lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **launch_options())
     return out
-
-
-def _rope_args(rope: Optional[DecodeRope], q: torch.Tensor) -> tuple:
-    """The kernel's rope arguments (unused placeholders without one)."""
-    if rope is None:
-        return (q, q, q, q, q, 0, 0, 0, 0, 0, 0)
-    return (rope.cos, rope.sin, rope.k, rope.v, rope.loc, rope.cos.stride(0), rope.sin.stride(0),
-            rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
-
-
-def _check_rope(q: torch.Tensor, k_buffer: torch.Tensor, rope: DecodeRope) -> None:
-    batch, _, head_dim = q.shape
-    kv_shape = (batch, k_buffer.shape[1], head_dim)
-    half = (batch, 1, head_dim // 2)
-    if (head_dim % 2 or rope.k.shape != kv_shape or rope.v.shape != kv_shape
-            or rope.cos.shape != half or rope.sin.shape != half
-            or rope.cos.dtype != q.dtype or rope.sin.dtype != q.dtype
-            or rope.loc.shape != (batch,) or rope.k.stride(2) != 1 or rope.v.stride(2) != 1
-            or rope.cos.stride(2) != 1 or rope.sin.stride(2) != 1):
-        raise ValueError(f"decode rope does not fit q {tuple(q.shape)}: k {tuple(rope.k.shape)}, "
-                         f"v {tuple(rope.v.shape)}, cos/sin {tuple(rope.cos.shape)} "
-                         f"{rope.cos.dtype}, loc {tuple(rope.loc.shape)} (want k/v {kv_shape}, "
-                         f"cos/sin {half} {q.dtype}, loc ({batch},), rows contiguous)")
-
-
-_COMPILED = _is_compiled(_decode_partial_kernel)  # False under TRITON_INTERPRET=1
