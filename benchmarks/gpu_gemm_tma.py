@@ -59,6 +59,8 @@ def candidates(M: int, name: str = "") -> list[dict]:
                  (128, 16, 64, 4, 4, 1, False), (128, 32, 64, 8, 2, 1, False)]
     if M <= 64:  # the weight tile on wgmma's 64-row side, x's rows on the narrow one
         first += [(M, n, k, 4, s, 1, True) for n in (64, 128) for k, s in ((128, 4), (64, 6))]
+    elif name in ("qkv", "o", "lm_head"):
+        first += [(m, 64, k, 4, s, 1, True) for m in (64, 128) for k, s in ((128, 4), (64, 6))]
     # the ninth session's winners, then its first sweep's order
     first += [(64, 32, 128, 4, 6, 1, False), (64, 32, 64, 4, 4, 1, False)] + [
         (bm, 64, 64, 4, s, 1, False) for s in (4, 6, 3)] + [

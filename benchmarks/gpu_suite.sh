@@ -127,6 +127,13 @@ for stage in "$@"; do
     tma10b) run tma10b 150 bash -c 'python3 benchmarks/gpu_gemm_tma.py --case-budget-s 25 --rows 128 \
               --shapes gate_up down --out $OUT/tma10b.json && python3 benchmarks/gpu_gemm_tma.py --case-budget-s 15 \
               --rows 8192 --shapes gate_up --out $OUT/tma10b_prefill.json' ;;
+    tma10c) run tma10c 260 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 20 --rows 128 64 32 \
+              --shapes qkv o --out "$OUT/tma10c.json" --configs-out "$OUT/tma10c_configs.json"
+            run tma10d 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 25 --rows 64 \
+              --shapes gate_up --out "$OUT/tma10d.json" --configs-out "$OUT/tma10d_configs.json"
+            run tma10e 90 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 25 --rows 128 \
+              --shapes lm_head --out "$OUT/tma10e.json" --configs-out "$OUT/tma10e_configs.json" ;;
+    extend) run extend 200 python3 benchmarks/gpu_extend.py --out "$OUT/extend.json" ;;
     ab10) run ab10 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 --out "$OUT/ab10.json" ;;
     ab10b) run ab10b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session_b.json \

@@ -49,6 +49,26 @@ def idle_gaps(prof, top: int = 12) -> dict:
             "longest_gaps": [{"ms": g[0], "after": g[1], "before": g[2]} for g in gaps[:top]]}
 
 
+def host_until_first_forward(engine: Engine, prompts, sp: SamplingParams) -> float:
+    """Host ms from the `generate` call to its first model forward (no profiler): requests,
+    admission, the first batch and its metadata."""
+    runner, first = engine.runner, []
+    forward = runner.forward
+
+    def timed(*a, **k):
+        if not first:
+            first.append(time.perf_counter())
+        return forward(*a, **k)
+    runner.forward = timed
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+    finally:
+        del runner.forward
+    return (first[0] - t0) * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2-1.5b")
@@ -71,6 +91,7 @@ def main() -> None:
         engine.generate(prompts, sp)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
+    host_ms = host_until_first_forward(engine, prompts, sp)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("generate_call"):
             engine.generate(prompts, sp)
@@ -90,10 +111,11 @@ def main() -> None:
               "prompt_len": args.prompt_len, "wall_ms": [w * 1e3 for w in walls],
               "wall_ms_median": statistics.median(walls) * 1e3, "kernel_ms": total / 1e3,
               "gemm_ms": gemm / 1e3, "gemm_tflops": flops / (gemm * 1e-6) / 1e12 if gemm else None,
-              "layer_matmul_flops": flops, "idle": gaps, "kernels": rows}
+              "layer_matmul_flops": flops, "host_until_first_forward_ms": host_ms, "idle": gaps, "kernels": rows}
     print(f"batch {args.batch} x {args.prompt_len} tokens: wall {result['wall_ms_median']:.1f} ms "
           f"(calls {', '.join(f'{w * 1e3:.1f}' for w in walls)}), GPU kernels {total / 1e3:.1f} ms, "
           f"GEMMs {gemm / 1e3:.1f} ms ({result['gemm_tflops'] or 0:.0f} TFLOP/s of layer matmuls)")
+    print(f"host until the first forward: {host_ms:.2f} ms")
     print("GPU idle in the profiled call:", json.dumps({k: v for k, v in gaps.items()
                                                          if k != "longest_gaps"}))
     for g in gaps.get("longest_gaps", []):

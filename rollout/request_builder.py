@@ -65,9 +65,10 @@ class RequestBuilder:
     def _check_ids(self, index: int, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError(f"prompt {index} is empty")
-        bad = next((t for t in ids if t < 0 or t >= self.limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt {index} has token id {bad} outside [0, {self.limits.vocab_size})")
+        vocab = self.limits.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # C loops; the culprit only when there is one
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            raise InvalidRequestError(f"prompt {index} has token id {bad} outside [0, {vocab})")
         if len(ids) >= self.limits.max_context:
             raise InvalidRequestError(
                 f"prompt {index} has {len(ids)} tokens; the context length is {self.limits.max_context}, "
@@ -82,10 +83,15 @@ def _as_ids(index: int, prompt: Any) -> list[int]:
     if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
         raise InvalidRequestError(f"prompt {index} must be a list of token ids or a string, "
                                   f"got {type(prompt).__name__}")
-    for t in prompt:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise InvalidRequestError(f"prompt {index} holds {t!r}; token ids must be ints")
-    return list(prompt)
+    ids = list(prompt)
+    # every element's type in one C loop (a 128-request batch of 128 tokens: ~0.3 ms instead of
+    # ~3 ms of isinstance calls); the per-element check only when something else is there
+    # (bool is not int's type; other int subclasses are accepted below)
+    if not set(map(type, ids)) <= {int}:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"prompt {index} holds {t!r}; token ids must be ints")
+    return ids
 
 
 def check_prompt_list(prompts: Any) -> None:

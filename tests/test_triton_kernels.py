@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from rollout.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rollout.attention.triton_backend import TritonBackend  # noqa: E402
 from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
+from rollout.attention.triton_kernels.extend import ExtendConfig  # noqa: E402
 from rollout.batch_builder import build_batch  # noqa: E402
 from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from tests.helpers import (DEV, RunnerDriver, eager_graph_capture, gpu, hf_last_logits,  # noqa: E402
@@ -199,13 +200,16 @@ def test_store_kv_kernel_equals_indexed_assignment(dtype):
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
-def test_extend_kernel_matches_reference(head_dim):
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 3), (16, 16, 2, 2)])
+def test_extend_kernel_matches_reference(head_dim, config):
+    """The default launch and others (new tokens a program, keys a step, warps, stages)."""
     p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=head_dim, seed=1)
     ext, prefix, start = extend_meta(p)
     q = torch.randn(int(ext.sum()), 4, head_dim, device=DEV)
     scale = head_dim ** -0.5
     out = extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
-                           int(ext.max()), scale)
+                           int(ext.max()), scale,
+                           config=ExtendConfig(*config) if config is not None else None)
     expected = torch.cat([reference(q[s:s + n], p, b, scale)
                           for b, (s, n) in enumerate(zip(start.tolist(), ext.tolist()))])
     assert (out - expected).abs().max().item() <= 1e-4
