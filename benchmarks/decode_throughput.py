@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true",
                    help="one-request prefills run eagerly (decode graphs stay)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="tokens a prefill step may compute (default: the engine's)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -195,6 +197,7 @@ def run(args) -> dict:
                                  cuda_graph=not args.no_cuda_graph,
                                  cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
                                  max_running_requests=max(args.batch_sizes),
+                                 max_prefill_tokens=args.max_prefill_tokens,
                                  kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
     _sync(args.device)
     startup = time.perf_counter() - t0

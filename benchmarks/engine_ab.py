@@ -42,11 +42,11 @@ def variant_env(name: str, spec: dict, tmp: Path) -> dict:
     return env
 
 
-def run_once(name: str, env: dict, args, out: Path) -> dict:
+def run_once(name: str, env: dict, args, out: Path, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "benchmarks/decode_throughput.py", "--shape", args.shape,
            "--device", "cuda", "--dtype", "bfloat16", "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--skip-hf",
-           "--batch-sizes", *map(str, args.batch_sizes), "--out", str(out)]
+           "--batch-sizes", *map(str, args.batch_sizes), "--out", str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
@@ -58,7 +58,7 @@ def run_once(name: str, env: dict, args, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", required=True, help="JSON {name: {env, configs, configs_file}}")
+    p.add_argument("--variants", required=True, help="JSON {name: {env, configs, configs_file, args}}")
     p.add_argument("--only", nargs="*", default=None, help="run these variants of the file")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128])
@@ -75,7 +75,8 @@ def main() -> None:
     runs: dict = {n: [] for n in names}
     for r in range(args.rounds):
         for n in names:
-            res = run_once(n, variant_env(n, variants[n], tmp), args, tmp / f"{n}_{r}.json")
+            res = run_once(n, variant_env(n, variants[n], tmp), args, tmp / f"{n}_{r}.json",
+                           [str(a) for a in variants[n].get("args", [])])
             runs[n].append(res)
             print(f"round {r} {n}: {json.dumps(res)[:400]}", flush=True)
             Path(args.out).write_text(json.dumps({"variants": variants, "runs": runs}, indent=1))

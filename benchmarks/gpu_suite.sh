@@ -133,6 +133,8 @@ for stage in "$@"; do
               --shapes gate_up --out "$OUT/tma10d.json" --configs-out "$OUT/tma10d_configs.json"
             run tma10e 90 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 25 --rows 128 \
               --shapes lm_head --out "$OUT/tma10e.json" --configs-out "$OUT/tma10e_configs.json" ;;
+    ab10d) run ab10d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session_d.json \
+              --rounds ${ROUNDS:-2} --repeats 3 --batch-sizes 128 --out "$OUT/ab10d.json" ;;
     extend) run extend 200 python3 benchmarks/gpu_extend.py --out "$OUT/extend.json" ;;
     ab10) run ab10 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 --out "$OUT/ab10.json" ;;
