@@ -39,6 +39,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def gpu_engine(shape: str, max_running_requests: int) -> Engine:
+    """The engine on a random model of a benchmark shape, bf16 on the GPU (the profilers')."""
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "m", SHAPES[shape], with_tokenizer=False)
+    return Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
+                               max_running_requests=max_running_requests))
+
+
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=g).tolist()

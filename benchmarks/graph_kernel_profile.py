@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.cuda_timing import replay_seconds
-from benchmarks.decode_throughput import SHAPES, prompts_for
-from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
+from benchmarks.decode_throughput import SHAPES, gpu_engine, prompts_for
+from rollout import SamplingParams
 
 
 def kernel_table(graph, replays: int) -> list[dict]:
@@ -56,9 +54,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     spec = SHAPES[args.shape]
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "m", spec, with_tokenizer=False)
-    engine = Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
-                                 max_running_requests=max(args.batch_sizes)))
+    engine = gpu_engine(args.shape, max(args.batch_sizes))
     gr = engine.runner.graph_runner
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "batches": {}}
     for bs in args.batch_sizes:

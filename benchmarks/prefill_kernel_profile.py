@@ -10,17 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.decode_throughput import SHAPES, prompts_for
+from benchmarks.decode_throughput import SHAPES, gpu_engine, prompts_for
 from benchmarks.graph_kernel_profile import cuda_kernel_rows
-from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
+from rollout import Engine, SamplingParams
 
 GEMM_NAMES = ("gemm", "sm90_xmma", "cutlass", "nvjet", "_gemm_tma_kernel", "_gemv_dot_kernel")
 
@@ -78,9 +76,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     spec = SHAPES[args.shape]
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "m", spec, with_tokenizer=False)
-    engine = Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
-                                 max_running_requests=args.batch))
+    engine = gpu_engine(args.shape, args.batch)
     prompts = prompts_for(args.batch, args.prompt_len, spec.vocab_size)
     sp = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1)
     engine.generate(prompts, sp)  # compile and warm up at this size
