@@ -283,7 +283,6 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # to 128, for down 32 and 64, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
-_HEURISTIC = Config(0, 0)  # supports(): no table entry, the heuristic's config (never TMA)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
     # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
@@ -406,10 +405,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     if not ok:
         return False
     key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
-    if x.shape[0] > MAX_M and key not in _TUNED:  # batches: only where a table entry says so
-        return False
-    cfg = _TUNED.get(key, _HEURISTIC)
-    return cfg is not None and (not cfg.tma or _tma_can_read(x, weight))
+    cfg = _TUNED.get(key)
+    if cfg is None:  # an entry saying cuBLAS; or none: the heuristic (never TMA) up to MAX_M rows
+        return key not in _TUNED and x.shape[0] <= MAX_M
+    return not cfg.tma or _tma_can_read(x, weight)
 
 
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
