@@ -80,23 +80,18 @@ class ExtendConfig(NamedTuple):
     num_stages: int = 3
 
 
-def extend_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): smaller tiles for wide rows (big heads, fp32) so that the pipelined
-    K/V tiles still fit in shared memory."""
-    row_bytes = block_dmodel(head_dim) * torch.empty(0, dtype=dtype).element_size()
-    return (64, 64) if row_bytes <= 256 else (32, 32)
-
-
 def extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
     """The launch for a head size and dtype. Rows of 129-256 bytes (head_dim 128 in bf16/fp16):
     32 keys a step and 4 warps, measured on an H200 (`benchmarks/gpu_extend.py`, Qwen2-1.5B
     heads, fresh 128-token prompts, µs per call in a graph): 64 requests 74.5 -> 40.3, one
-    request 7.7 -> 7.4 (the previous 64 keys and 8 warps)."""
-    block_m, block_n = extend_blocks(head_dim, dtype)
+    request 7.7 -> 7.4 (the previous 64 keys and 8 warps). Wider rows (big heads, fp32) take
+    smaller tiles, so that the pipelined K/V tiles still fit in shared memory."""
     row_bytes = block_dmodel(head_dim) * torch.empty(0, dtype=dtype).element_size()
-    if 128 < row_bytes <= 256:
-        return ExtendConfig(64, 32, 4, 3)
-    return ExtendConfig(block_m, block_n, 4 if head_dim <= 64 else 8)
+    if row_bytes > 256:
+        return ExtendConfig(32, 32, 4 if head_dim <= 64 else 8)
+    if row_bytes > 128:
+        return ExtendConfig(64, 32, 4)
+    return ExtendConfig(64, 64, 4 if head_dim <= 64 else 8)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
