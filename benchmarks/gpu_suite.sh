@@ -140,19 +140,6 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 --out "$OUT/ab10.json" ;;
     ab10b) run ab10b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_tenth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab10b.json" ;;
-    # the batch-1 fused decode layer: its specs on the GPU, then launch configs alone (one process
-    # each: a config that hangs is cut alone), then in the engine against the layer-by-layer path
-    fused-smoke) run fused_smoke 400 python3 -m pytest -q tests/test_fused_layer.py -p no:cacheprovider ;;
-    fused-sweep) for cfg in ${FUSED_CONFIGS:-"" "block_k=256,num_stages=6" "block_n=8" \
-              "programs_per_sm=2,num_warps=4,block_k=256,block_n=8" "block_k=1024,num_stages=3" \
-              "num_warps=16"}; do
-              run "fused_sweep" 90 python3 benchmarks/gpu_fused_layer.py --config "$cfg" \
-              --out "$OUT/fused_sweep.jsonl"; done ;;
-    # the phases' cumulative cost: each layer stopped after phase 0 (qkv), 1 (attention), 2, 3, 4
-    fused-phases) for last in 0 1 2 3 4; do run fused_phases 90 python3 benchmarks/gpu_fused_layer.py \
-              --config "${FUSED_CONFIG:-}" --last-phase $last --out "$OUT/fused_phases.jsonl"; done ;;
-    ab11) run ab11 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eleventh_session.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --out "$OUT/ab11.json" ;;
     prefill-host128) run prefill_host128 200 python3 benchmarks/prefill_host_profile.py --batch 128 --calls 3 \
               --out "$OUT/prefill_host128.txt" ;;
     tma10-prefill) run tma10_prefill 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 30 --rows 8192 \

@@ -178,10 +178,6 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        fused = self._fused_layers(fb, h)
-        if fused is not None:  # one persistent kernel a layer (one-request decode)
-            h, residual = fused.run(self.layers, h, self.rotary.lookup(positions, h.dtype), fb)
-            return self.norm(h, residual)[0]
         # once per step, shared by every layer: half tables for the CUDA kernel, full on CPU
         if h.is_cuda:
             rope = self.rotary.lookup(positions, h.dtype)
@@ -192,18 +188,6 @@ class DecoderModel(nn.Module):
             for layer in self.layers:
                 h, residual = layer.forward_cpu(rope, h, residual, fb)
         return self.norm(h, residual)[0]
-
-
-    def _fused_layers(self, fb: ForwardBatch, h: torch.Tensor):
-        """The batch-1 fused layers (`fused_layer`) where this step can take them, else None."""
-        from rollout.layers import fused_layer
-        if fused_layer.unsupported_reason(self, fb, h) is not None:
-            return None
-        fused = self.__dict__.get("_fused")
-        if fused is None:
-            fused = fused_layer.FusedDecodeLayers.for_model(self)
-            self.__dict__["_fused"] = fused  # a plain attribute: not a submodule
-        return fused
 
 
 class LlamaForCausalLM(nn.Module):
