@@ -3,7 +3,8 @@
 Stage 1: one program per (request, KV head, KV split) scores the query heads of that KV head
 (GQA group, padded to BLOCK_H rows so they share one tl.dot and one read of K/V) against its
 share of the request's keys, and leaves a normalised partial output plus its log-sum-exp.
-Stage 2: one program per (request, head) merges the splits. Splitting the keys keeps the GPU
+Stage 2: one program per (request, head) merges the splits (with one split, stage 1 writes the
+output itself and stage 2 does not run). Splitting the keys keeps the GPU
 busy when the batch is small and the sequences long; the number of splits is a constant, so
 the launch grid depends on the batch size only (what a CUDA graph needs).
 
@@ -83,8 +84,13 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-        tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_mask)
+        if NUM_SPLITS == 1:  # PartO is the output itself: no partials, no merge kernel
+            tl.store(out_ptr, (acc / l_i[:, None]).to(PartO.dtype.element_ty),
+                     mask=h_mask[:, None] & d_mask[None, :])
+        else:
+            tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
+            tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i),
+                     mask=h_mask)
 
 
 @triton.jit
@@ -166,7 +172,11 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
     8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
     decode graph 1.1517 → 1.1451 ms (eighth session, `benchmarks/ab_eighth_session_e.json`; the
-    same sums, the stages only pipeline the loads); batch 128's alternatives all lost there."""
+    same sums, the stages only pipeline the loads); batch 128's alternatives all lost there.
+    Above 64 requests one split of 128 keys a step: the split kernel writes the output, no merge
+    kernel (eleventh session, in the engine: batch-128 decode graph 1.9470 -> 1.8887 ms,
+    `benchmarks/ab_eleventh_session_b.json`; alone it had measured 14.7 vs 12.9 µs with the
+    merge kernel still launched after it)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
@@ -174,7 +184,7 @@ def decode_launch_config(batch: int, max_splits: int = 8,
         return DecodeConfig(max_splits, num_stages=2)
     if batch <= 64:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
-    return DecodeConfig(min(max_splits, 2), block_n=64, num_warps=2)
+    return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2)
 
 
 def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
@@ -206,15 +216,22 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
     block_d = block_dmodel(head_dim)
+    # one split: the kernel normalises and writes the output itself (what the merge of a single
+    # split computes, bit for bit), one kernel instead of two
+    direct = num_splits == 1
+    dest, dest_strides = (out, (out.stride(0), out.stride(1), 0)) if direct else (
+        part_o, (part_o.stride(0), part_o.stride(1), part_o.stride(2)))
     _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        *dest_strides, part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_options())
+    if direct:
+        return out
     _decode_reduce_kernel[(batch, heads)](
         part_o, part_lse, seq_lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
