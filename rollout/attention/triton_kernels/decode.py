@@ -176,7 +176,9 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     Above 64 requests one split of 128 keys a step: the split kernel writes the output, no merge
     kernel (eleventh session, in the engine: batch-128 decode graph 1.9470 -> 1.8887 ms,
     `benchmarks/ab_eleventh_session_b.json`; alone it had measured 14.7 vs 12.9 µs with the
-    merge kernel still launched after it)."""
+    merge kernel still launched after it; at 17-64 requests one split measured mixed:
+    `ab_eleventh_session_c.json`). Measured with ~200 keys a request: long contexts, where one
+    split means half the programs, were not."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
