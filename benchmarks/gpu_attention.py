@@ -32,12 +32,12 @@ PROMPT = 128
 
 
 def slot_table(lens: list[int], layout: str, gen: torch.Generator) -> torch.Tensor:
-    """[batch, 256] request -> slot table (slot 0: the dummy, never used). `random`: every slot
+    """[batch, max(256, longest)] request -> slot table (slot 0: the dummy, never used). `random`: every slot
     anywhere; `engine`: as the engine's allocator leaves a 128 + 128 run (each prompt in one
     piece, then one slot per request per step, so a request's decode tokens lie `batch` slots
     apart); `contiguous`: each request's tokens in one piece."""
     batch, total = len(lens), sum(lens)
-    table = torch.zeros(batch, 256, dtype=torch.int32)
+    table = torch.zeros(batch, max(256, max(lens)), dtype=torch.int32)
     if layout == "random":
         slots, start = torch.randperm(total, generator=gen) + 1, 0
         for b, n in enumerate(lens):
@@ -49,6 +49,8 @@ def slot_table(lens: list[int], layout: str, gen: torch.Generator) -> torch.Tens
             table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
             start += n
     elif layout == "engine":
+        if max(lens) > 256:
+            raise ValueError("the engine layout is a 128 + 128 run: at most 256 keys")
         prompt = [min(n, PROMPT) for n in lens]
         for b, n in enumerate(prompt):
             table[b, :n] = torch.arange(1 + b * PROMPT, 1 + b * PROMPT + n, dtype=torch.int32)
@@ -63,13 +65,18 @@ def slot_table(lens: list[int], layout: str, gen: torch.Generator) -> torch.Tens
     return table
 
 
-def make_case(batch: int, gen: torch.Generator, layout: str = "random") -> dict:
-    lens = torch.randint(129, 257, (batch,), generator=gen) if batch > 1 else torch.tensor([192])
+def make_case(batch: int, gen: torch.Generator, layout: str = "random",
+              keys: tuple[int, int] = (129, 256)) -> dict:
+    lo, hi = keys
+    lens = (torch.randint(lo, hi + 1, (batch,), generator=gen) if batch > 1
+            else torch.tensor([(lo + hi) // 2]))
     req_to_token = slot_table(lens.tolist(), layout, gen)
     dev = "cuda"
     pool = (int(req_to_token.max()) + 1, KV_HEADS, HEAD_DIM)
-    ks = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
-    vs = [torch.randn(pool, generator=gen).to(dev, torch.bfloat16) for _ in range(LAYERS)]
+    # drawn on the GPU: long contexts make GBs of keys
+    kv_gen = torch.Generator(dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+    ks = [torch.randn(pool, generator=kv_gen, device=dev).to(torch.bfloat16) for _ in range(LAYERS)]
+    vs = [torch.randn(pool, generator=kv_gen, device=dev).to(torch.bfloat16) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dev, torch.bfloat16)
     return dict(lens=lens.to(dev), req_to_token=req_to_token.to(dev), ks=ks, vs=vs, q=q,
                 rows=torch.arange(batch, device=dev), lens_cpu=lens.tolist())
@@ -103,6 +110,10 @@ def main() -> None:
                    choices=["random", "engine", "contiguous"], help="where the slots lie")
     p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
     p.add_argument("--current-only", action="store_true", help="no sweep: the current config")
+    p.add_argument("--keys", nargs=2, type=int, default=[129, 256], metavar=("LO", "HI"),
+                   help="keys a request, drawn uniformly (default: a 128 + 128 run's contexts)")
+    p.add_argument("--configs", nargs="*", default=None, metavar="S,N,W,ST",
+                   help="instead of the sweep: these configs (splits,block_n,warps,stages)")
     args = p.parse_args()
     from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
                                                           decode_buffers, decode_launch_config)
@@ -113,11 +124,13 @@ def main() -> None:
     grid = [DecodeConfig(s, bn, w, st) for s, bn, w, st in
             itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8), (2, 3, 4))]
     for batch, layout in itertools.product(args.batches, args.layouts):
-        case = make_case(batch, gen, layout)
+        case = make_case(batch, gen, layout, tuple(args.keys))
         ref = reference(case, 0, scale)
         bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda")
         out = torch.empty_like(case["q"])
         current = decode_launch_config(batch)
+        if args.configs is not None:
+            grid = [DecodeConfig(*map(int, c.split(","))) for c in args.configs]
         configs = [current] + ([] if args.current_only else [c for c in grid if c != current])
         row = {"batch": batch, "layout": layout, "lens_mean": sum(case["lens_cpu"]) / batch,
                "tried": []}

@@ -186,6 +186,28 @@ for stage in "$@"; do
               && for b in flashinfer triton; do python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
                  --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf \
                  --attention-backend $b --out $OUT/decode_$b.json; done' ;;
+    # twelfth session: the decode attention at batch 128 with long contexts, one split (the
+    # table's) against two and four splits + the merge kernel
+    attn-long) for keys in "1024 1536" "3072 4096"; do
+         run attn_long_${keys%% *} 150 python3 benchmarks/gpu_attention.py --batches 128 --keys $keys \
+              --configs 2,64,2,3 4,64,2,3 2,128,4,2 --out "$OUT/attn_long_${keys%% *}.json"
+         done ;;
+    # a decode layer's main kernels alone under Nsight Compute (little memory to save and restore
+    # between its passes), at NCU_ROWS rows (128, 1); details and raw pages as CSV
+    ncu-kernels) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+         for r in ${NCU_ROWS:-128}; do
+           run ncu_kernels_r$r 200 "$NCU" --profile-from-start off --clock-control none --set detailed -f \
+              --export "$OUT/ncu_kernels_r$r" python3 benchmarks/ncu_kernels.py --rows $r
+           "$NCU" --import "$OUT/ncu_kernels_r$r.ncu-rep" --csv --page details > "$OUT/ncu_kernels_r${r}_details.csv" 2>&1
+           "$NCU" --import "$OUT/ncu_kernels_r$r.ncu-rep" --csv --page raw > "$OUT/ncu_kernels_r${r}_raw.csv" 2>&1
+           rm -f "$OUT/ncu_kernels_r$r.ncu-rep"
+         done ;;
+    # the attention's one split with 256 keys a step, alone; then the engine A/B of down through
+    # the TMA kernel at 65-128 rows and of that attention config
+    attn-256) run attn_256 120 python3 benchmarks/gpu_attention.py --batches 128 \
+              --configs 1,256,8,2 1,256,4,2 1,128,8,2 1,256,8,1 --out "$OUT/attn_256.json" ;;
+    ab12) run ab12 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab12.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
