@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, rel_err, time_per_call
 
 
-KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab",
-        "warp_specialize")
+KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
 
 
 def candidates(M: int, name: str = "") -> list[dict]:
@@ -72,26 +71,6 @@ def candidates(M: int, name: str = "") -> list[dict]:
     return _dicts(first + rest)
 
 
-def warp_specialized(M: int, name: str) -> list[dict]:
-    """Configs with Triton's warp specialization (a producer warp for the TMA loads), around
-    each shape's table entry at decode batches (the table's own time is the run's `table`)."""
-    bm = min(128, max(64, 1 << (M - 1).bit_length()))
-    if name == "gate_up":
-        first = [(64, 64, 64, 4, s, 1, True) for s in (3, 4, 6)] + [
-            (bm, 64, 64, 4, s, 1, True) for s in (3, 4)] + [
-            (bm, 32, 64, 4, s, 1, False) for s in (3, 4)] + [
-            (64, 32, 128, 4, s, 1, False) for s in (4, 6)] + [
-            (64, 64, 128, 4, s, 1, True) for s in (3, 4)] + [(bm, 64, 64, 8, 3, 1, True)] + [
-            (bm, 128, 64, 4, 2, 1, True), (64, 128, 64, 4, 3, 1, True)]  # 70 / 140 programs
-    elif name == "down":
-        first = [(bm, 64, 128, 4, 4, 5, True), (64, 128, 128, 4, 4, 7, False),
-                 (bm, 64, 128, 4, 4, 5, False), (64, 64, 128, 4, 4, 5, False)]
-    else:  # qkv, o
-        first = [(64, 32, 128, 4, s, 1, False) for s in (4, 6)] + [
-            (bm, 32, 128, 4, 4, 1, False), (64, 64, 128, 4, 4, 1, True)]
-    return _dicts([c + (True,) for c in first])
-
-
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -120,7 +99,7 @@ def _dicts(configs: list[tuple]) -> list[dict]:
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float, ws: bool = False) -> dict:
+def run_case(name: str, M: int, copy_bw: float, budget_s: float) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -134,8 +113,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, ws: bool = Fals
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
             c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"],
-                         warp_specialize=cfg.get("warp_specialize", False))
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
             if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
                 from rollout.layers import triton_gemm_tma as t
                 width = N // 2 if gated else N
@@ -163,7 +141,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, ws: bool = Fals
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    for c in (warp_specialized(M, name) if ws else candidates(M, name)):
+    for c in candidates(M, name):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -196,19 +174,17 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
     p.add_argument("--case-budget-s", type=float, default=25.0)
     p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
-    p.add_argument("--warp-specialize", action="store_true",
-                   help="sweep only warp-specialized configs (against the table and cuBLAS)")
     args = p.parse_args()
     result: dict = {"errors": [], "cases": []}
     copy_bw = copy_bandwidth()
     result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
-          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap, ws)")
+          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:
         for name in args.shapes:
             try:
-                row = run_case(name, M, copy_bw, args.case_budget_s, args.warp_specialize)
+                row = run_case(name, M, copy_bw, args.case_budget_s)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

@@ -208,12 +208,6 @@ for stage in "$@"; do
               --configs 1,256,8,2 1,256,4,2 1,128,8,2 1,256,8,1 --out "$OUT/attn_256.json" ;;
     ab12) run ab12 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab12.json" ;;
-    # the TMA kernel's K loop warp-specialized by Triton (a producer warp for the loads), batch 128
-    tma-ws) run tma_ws 330 python3 benchmarks/gpu_gemm_tma.py --warp-specialize --case-budget-s 60 \
-              --rows ${ROWS_TMA:-128} --shapes gate_up qkv o down --out "$OUT/tma_ws.json" \
-              --configs-out "$OUT/tma_ws_configs.json" ;;
-    # (stage ws_probe: benchmarks/gpu_ws_probe.py, one warp-specialized call in a child process
-    # with and without PDL, since the sweep above hung)
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

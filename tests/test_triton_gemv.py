@@ -57,9 +57,6 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     "tma_swap": Config(16, 32, dot=True, block_m=16, tma=True, swap_ab=True),
     "tma_swap_split": Config(32, 16, 2, dot=True, num_stages=4, block_m=16, tma=True,
                              swap_ab=True),
-    # the K loop warp-specialized (a producer warp for the loads; on the GPU only)
-    "tma_swap_ws": Config(16, 32, dot=True, block_m=16, tma=True, swap_ab=True,
-                          warp_specialize=True),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 

@@ -34,7 +34,7 @@ def _gemm_tma_kernel(x_desc, w_desc, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
                      GATED: tl.constexpr, COMPILED: tl.constexpr, PREC: tl.constexpr,
-                     WARP_SPECIALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     # M blocks innermost: the programs that read one weight block run side by side (L2 hits)
     blocks_m = tl.cdiv(M, BLOCK_M)
@@ -52,9 +52,7 @@ def _gemm_tma_kernel(x_desc, w_desc, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # past M, N (gate rows: up rows, unused) or K: zeros / unused; a split's range ends at the
     # next split's start (K_SPLIT is a multiple of BLOCK_K)
-    # WARP_SPECIALIZE: Triton gives the TMA loads a producer warp and the MMAs consumer warpgroups
-    # that meet on mbarriers, so loads no longer wait behind the MMAs of the same warps
-    for k in tl.range(k_start, k_start + K_SPLIT, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
         x = x_desc.load([off_m, k])
         w = w_desc.load([off_n, k])
         if SWAP_AB:
@@ -98,7 +96,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
         COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=bool(cfg.warp_specialize), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         **launch_options())
     if split > 1:
         reduce_split(partials, bias, out, gated, split)

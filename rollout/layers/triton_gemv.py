@@ -75,7 +75,6 @@ class Config(NamedTuple):
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
-    warp_specialize: bool = False  # TMA kernel: a producer warp issues the loads (Triton's WS)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
