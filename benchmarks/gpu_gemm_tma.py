@@ -71,6 +71,18 @@ def candidates(M: int, name: str = "") -> list[dict]:
     return _dicts(first + rest)
 
 
+def narrow(M: int, name: str) -> list[dict]:
+    """qkv and o at decode batches with weight tiles 16 rows wide (twice the programs of the
+    table's 32: 2 048 / 1 536 columns over 132 SMs leave many idle at 32-64 rows), and split
+    along K; the table's entry is the run's `table`."""
+    bm = 128 if M >= 128 else 64
+    first = [(64, 16, 128, 4, s, 1, False) for s in (4, 6, 3)] + [
+        (64, 16, 256, 4, 3, 1, False), (64, 16, 64, 4, 8, 1, False),
+        (bm, 16, 128, 4, 4, 1, False), (64, 32, 128, 4, 4, 2, False),
+        (64, 32, 256, 4, 3, 2, False), (64, 16, 128, 8, 4, 1, False)]
+    return _dicts(first)
+
+
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -99,7 +111,7 @@ def _dicts(configs: list[tuple]) -> list[dict]:
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float) -> dict:
+def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -141,7 +153,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float) -> dict:
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    for c in candidates(M, name):
+    for c in (narrow(M, name) if narrow_only else candidates(M, name)):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -174,6 +186,8 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
     p.add_argument("--case-budget-s", type=float, default=25.0)
     p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
+    p.add_argument("--narrow", action="store_true",
+                   help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
     args = p.parse_args()
     result: dict = {"errors": [], "cases": []}
     copy_bw = copy_bandwidth()
@@ -184,7 +198,7 @@ def main() -> None:
     for M in args.rows:
         for name in args.shapes:
             try:
-                row = run_case(name, M, copy_bw, args.case_budget_s)
+                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

@@ -201,6 +201,8 @@ for stage in "$@"; do
            "$NCU" --import "$OUT/ncu_kernels_r$r.ncu-rep" --csv --page details > "$OUT/ncu_kernels_r${r}_details.csv" 2>&1
            "$NCU" --import "$OUT/ncu_kernels_r$r.ncu-rep" --csv --page raw > "$OUT/ncu_kernels_r${r}_raw.csv" 2>&1
            rm -f "$OUT/ncu_kernels_r$r.ncu-rep"
+           python3 benchmarks/ncu_summary.py --details "$OUT/ncu_kernels_r${r}_details.csv" \
+              --raw "$OUT/ncu_kernels_r${r}_raw.csv" --label "$r rows" --out "$OUT/ncu_kernels_r$r.json"
          done ;;
     # the attention's one split with 256 keys a step, alone; then the engine A/B of down through
     # the TMA kernel at 65-128 rows and of that attention config
@@ -208,6 +210,13 @@ for stage in "$@"; do
               --configs 1,256,8,2 1,256,4,2 1,128,8,2 1,256,8,1 --out "$OUT/attn_256.json" ;;
     ab12) run ab12 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab12.json" ;;
+    # qkv and o at decode batches: narrow weight tiles (16 rows) or K split in 2, alone; then the
+    # engine with the winners (the sweep's configs file) against the table
+    tma-narrow) run tma_narrow 200 python3 benchmarks/gpu_gemm_tma.py --narrow --case-budget-s 25 \
+              --rows 128 64 32 --shapes qkv o --out "$OUT/tma_narrow.json" --configs-out "$OUT/tma_narrow_configs.json"
+              cat "$OUT/tma_narrow_configs.json" ;;
+    ab12b) run ab12b 280 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 120 --out "$OUT/ab12b.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
