@@ -41,7 +41,7 @@ def number(text: str) -> float | None:
 
 def scaled(value: float, unit: str) -> float:
     """Memory throughput in TB/s and shared memory in KB, whatever unit ncu chose."""
-    return value * {"Gbyte/s": 1e-3, "Mbyte/s": 1e-6, "byte/block": 1e-3,
+    return value * {"Gbyte/s": 1e-3, "Mbyte/s": 1e-6, "Kbyte/s": 1e-9, "byte/block": 1e-3,
                     "Mbyte/block": 1e3}.get(unit, 1.0)
 
 
