@@ -1,8 +1,9 @@
 """Decode attention on one GPU: rollout/attention/triton_kernels/decode.py's launch configs
 (KV splits, keys per block, warps, pipeline stages) swept at the decode benchmark's shape
 (Qwen2-1.5B: 12 query heads, 2 KV heads, head_dim 128, bf16) for batches 1, 32 and 128 with
-the contexts of a 128 + 128 token run (129-256 keys), over a token-granular paged pool whose
-slots are scattered as the allocator leaves them.
+the contexts of a 128 + 128 token run (129-256 keys; `--keys LO HI` for others, e.g. long
+contexts), over a token-granular paged pool whose slots are scattered as the allocator leaves
+them; `--configs` times a given list instead of the sweep.
 
 Each time is a CUDA graph of one call per layer (28), each layer's KV in its own buffers (more
 than the L2 holds at batch 128), replayed and divided. Every config's output is checked against
@@ -32,10 +33,10 @@ PROMPT = 128
 
 
 def slot_table(lens: list[int], layout: str, gen: torch.Generator) -> torch.Tensor:
-    """[batch, max(256, longest)] request -> slot table (slot 0: the dummy, never used). `random`: every slot
-    anywhere; `engine`: as the engine's allocator leaves a 128 + 128 run (each prompt in one
-    piece, then one slot per request per step, so a request's decode tokens lie `batch` slots
-    apart); `contiguous`: each request's tokens in one piece."""
+    """[batch, max(256, longest)] request -> slot table (slot 0: the dummy, never used).
+    `random`: every slot anywhere; `engine`: as the engine's allocator leaves a 128 + 128 run
+    (each prompt in one piece, then one slot per request per step, so a request's decode tokens
+    lie `batch` slots apart); `contiguous`: each request's tokens in one piece."""
     batch, total = len(lens), sum(lens)
     table = torch.zeros(batch, max(256, max(lens)), dtype=torch.int32)
     if layout == "random":

@@ -73,7 +73,7 @@ def candidates(M: int, name: str = "") -> list[dict]:
 
 def narrow(M: int, name: str) -> list[dict]:
     """qkv and o at decode batches with weight tiles 16 rows wide (twice the programs of the
-    table's 32: 2 048 / 1 536 columns over 132 SMs leave many idle at 32-64 rows), and split
+    table's 32: 2,048 / 1,536 columns over 132 SMs leave many idle at 32-64 rows), and split
     along K; the table's entry is the run's `table`."""
     bm = 128 if M >= 128 else 64
     first = [(64, 16, 128, 4, s, 1, False) for s in (4, 6, 3)] + [
