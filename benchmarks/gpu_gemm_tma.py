@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, rel_err, time_per_call
 
 
-KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab",
-        "stream_k")
+KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
 
 
 def candidates(M: int, name: str = "") -> list[dict]:
@@ -84,20 +83,6 @@ def narrow(M: int, name: str) -> list[dict]:
     return _dicts(first)
 
 
-def stream_k(M: int, name: str) -> list[dict]:
-    """The stream-K kernel (triton_stream_k: equal K iterations a program, 2-3 programs an SM,
-    configs whose programs all fit on the GPU at once: registers and shared memory checked on
-    the sm_90 compile); the table's entry is the run's `table`."""
-    if name == "gate_up":
-        first = [(64, 64, 64, 4, 3, 1, True, 2), (64, 64, 64, 4, 3, 1, True, 3),
-                 (64, 64, 64, 4, 2, 1, True, 3), (64, 32, 128, 4, 3, 1, False, 2)]
-    elif name == "down":  # the split-K reduce kernel's work done by the tiles' finishers
-        first = [(64, 64, 128, 4, 3, 1, True, 2), (64, 64, 64, 4, 4, 1, True, 2)]
-    else:
-        first = [(64, 32, 128, 4, 3, 1, False, 2)]
-    return _dicts(first)
-
-
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -126,9 +111,7 @@ def _dicts(configs: list[tuple]) -> list[dict]:
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float, only=None) -> dict:
-    """One shape at M rows: cuBLAS, the table, then the sweep (`only`: a candidates function
-    instead of the full list)."""
+def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -142,8 +125,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, only=None) -> d
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
             c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"],
-                         stream_k=cfg.get("stream_k", 0))
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
             if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
                 from rollout.layers import triton_gemm_tma as t
                 width = N // 2 if gated else N
@@ -171,7 +153,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, only=None) -> d
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    for c in (only or candidates)(M, name):
+    for c in (narrow(M, name) if narrow_only else candidates(M, name)):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -206,21 +188,17 @@ def main() -> None:
     p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
     p.add_argument("--narrow", action="store_true",
                    help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
-    p.add_argument("--stream-k", action="store_true",
-                   help="sweep only the stream-K kernel's configs (against the table, cuBLAS)")
     args = p.parse_args()
-    only = narrow if args.narrow else stream_k if args.stream_k else None
     result: dict = {"errors": [], "cases": []}
     copy_bw = copy_bandwidth()
     result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
-          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap, "
-          "stream-K programs a SM)")
+          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:
         for name in args.shapes:
             try:
-                row = run_case(name, M, copy_bw, args.case_budget_s, only)
+                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

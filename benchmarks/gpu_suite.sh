@@ -217,14 +217,6 @@ for stage in "$@"; do
               cat "$OUT/tma_narrow_configs.json" ;;
     ab12b) run ab12b 280 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 120 --out "$OUT/ab12b.json" ;;
-    # the stream-K kernel at 128 rows (gate/up, down) alone, then the engine with the winners
-    # against the table, then its GPU specs
-    stream-k) run stream_k 110 python3 benchmarks/gpu_gemm_tma.py --stream-k --case-budget-s 30 \
-              --rows 128 --shapes gate_up down --out "$OUT/stream_k.json" --configs-out "$OUT/stream_k_configs.json"
-              cat "$OUT/stream_k_configs.json"
-              run ab12c 170 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session_c.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 128 --timeout-s 80 --out "$OUT/ab12c.json"
-              run stream_k_test 60 python3 -m pytest -q -m gpu tests/test_triton_stream_k.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

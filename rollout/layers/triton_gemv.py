@@ -75,7 +75,6 @@ class Config(NamedTuple):
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
-    stream_k: int = 0  # > 0: the stream-K kernel (triton_stream_k) with that many programs a SM
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -409,7 +408,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     cfg = _TUNED.get(key)
     if cfg is None:  # an entry saying cuBLAS; or none: the heuristic (never TMA) up to MAX_M rows
         return key not in _TUNED and x.shape[0] <= MAX_M
-    return not (cfg.tma or cfg.stream_k) or _tma_can_read(x, weight)  # stream-K loads by TMA
+    return not cfg.tma or _tma_can_read(x, weight)
 
 
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -441,9 +440,6 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
-    if cfg.stream_k:
-        from rollout.layers import triton_stream_k  # imports this module
-        return triton_stream_k.launch(x, weight, bias, out, gated, cfg)
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg)
