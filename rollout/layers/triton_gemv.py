@@ -328,7 +328,9 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # 1.6492). At 128 rows no config beat cuBLAS (12.0 µs; 12.05 swapped, 12.35 not).
     (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
     (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
-    (128, 1536, 8960, False): None,  # cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35
+    # 128 rows: cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35; in the engine (twelfth
+    # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
+    (128, 1536, 8960, False): None,
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
 }
 

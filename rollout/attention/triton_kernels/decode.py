@@ -177,8 +177,10 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     kernel (eleventh session, in the engine: batch-128 decode graph 1.9470 -> 1.8887 ms,
     `benchmarks/ab_eleventh_session_b.json`; alone it had measured 14.7 vs 12.9 µs with the
     merge kernel still launched after it; at 17-64 requests one split measured mixed:
-    `ab_eleventh_session_c.json`). Measured with ~200 keys a request: long contexts, where one
-    split means half the programs, were not."""
+    `ab_eleventh_session_c.json`). At batch 128 with long contexts (twelfth session, alone,
+    `benchmarks/gpu_attention.py --keys`): 1,024-1,536 keys a tie with two splits (47.8 vs 48.1
+    µs), 3,072-4,096 keys two splits 3.8% faster (117.3 vs 121.9) — the config stays a function
+    of the batch, as a CUDA graph needs."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
