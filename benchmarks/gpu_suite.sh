@@ -217,6 +217,15 @@ for stage in "$@"; do
               cat "$OUT/tma_narrow_configs.json" ;;
     ab12b) run ab12b 280 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 120 --out "$OUT/ab12b.json" ;;
+    # thirteenth session: down's split-K partials summed by the residual add + RMSNorm after it
+    # (its GPU specs; down + add-norm pairs alone over split configs; the engine A/B)
+    split-test) run split_test 300 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_fused_ops.py \
+              tests/test_triton_gemv.py -p no:cacheprovider ;;
+    split-norm) run split_norm 300 python3 benchmarks/gpu_split_norm.py --rows ${SPLIT_ROWS:-1 128 64 32} \
+              --case-budget-s ${CASE_S:-45} --out "$OUT/split_norm.json" --configs-out "$OUT/split_norm_configs.json"
+              cat "$OUT/split_norm_configs.json" ;;
+    ab13) run ab13 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

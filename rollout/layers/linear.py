@@ -5,7 +5,7 @@ GEMMs through the Triton skinny-GEMM kernels (`triton_gemv`), the rest through c
 from __future__ import annotations
 
 import os
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from torch import nn
 
 from rollout.distributed import SINGLE, TPGroup
 from rollout.layers.cpu_gemm import cpu_linear
+from rollout.layers.split_sum import SplitSum
 from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 
 
@@ -24,6 +25,10 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # batches from BATCH_MIN_ROWS go to the M-tiled kernel only at the (shape, rows) its tuned table
 # lists as faster than cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
+# A skinny GEMM split along K may hand its fp32 partials to a reader that sums them itself (the
+# residual add + RMSNorm after down: `defer_split`), saving the reduce kernel.
+# ROLLOUT_DEFER_SPLIT_K=0: always reduce in the GEMM.
+DEFER_SPLIT_K = os.environ.get("ROLLOUT_DEFER_SPLIT_K", "1") != "0"
 SKINNY_MAX_ROWS = 1
 BATCH_MIN_ROWS = 17  # decode batches from here, where tuned (2-16 rows: no gain in the engine)
 
@@ -39,14 +44,17 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+           packed: Optional[torch.Tensor] = None,
+           defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     """F.linear on either device: CPU through `cpu_linear`, CUDA through the skinny-GEMM kernels
-    where `use_skinny` says so, else cuBLAS."""
+    where `use_skinny` says so, else cuBLAS. `defer_split`: the caller's reader takes a SplitSum
+    (a skinny GEMM split along K then returns its partials unsummed)."""
     if not x.is_cuda:
         return cpu_linear(x, weight, bias, packed)
     if use_skinny(x, weight):
         from rollout.layers import triton_gemv
-        return triton_gemv.skinny_linear(x, weight, bias)
+        return triton_gemv.skinny_linear(x, weight, bias,
+                                         defer_split=defer_split and DEFER_SPLIT_K)
     return F.linear(x, weight, bias)
 
 
@@ -119,10 +127,13 @@ class RowParallelLinear(nn.Module):
 
     fp32_partials_supported = True  # False once torch.mm(..., out_dtype=) is found missing
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
+        """`defer_split`: the caller's reader sums split-K partials itself (one rank, no bias)."""
         if (self.tp.size > 1 and x.is_cuda and x.dtype != torch.float32
                 and RowParallelLinear.fp32_partials_supported):
             out = self._reduce_in_fp32(x)
+        elif self.tp.size == 1 and self.bias is None:
+            return linear(x, self.weight, defer_split=defer_split)
         else:
             out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias

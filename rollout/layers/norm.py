@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from rollout.layers.split_sum import SplitSum
 from rollout.layers.weight_attrs import make_param, replicated_loader
 
 
@@ -19,9 +20,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = make_param((size,), replicated_loader, {None: (size,)})
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    def forward(self, x: Union[torch.Tensor, SplitSum], residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given. x may be a
+        GEMM output still in split-K partials (CUDA): the add + norm kernel sums them."""
+        if isinstance(x, SplitSum):
+            from rollout.layers import triton_ops
+            if residual is not None:
+                return triton_ops.split_add_rms_norm(x, residual, self.weight, self.eps)
+            x = x.tensor()
         if x.is_cuda:
             from rollout.layers import triton_ops
             if residual is None:

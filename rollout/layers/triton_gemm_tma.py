@@ -10,20 +10,22 @@ triton_gemv's (bias, or SiLU · up, rounded as the unfused path). Off a Hopper-c
 interpreter runs it too (CPU specs).
 
 Two options of the launch config: `split_k` (down's K = 8,960 over 5-7 programs a tile, fp32
-partials summed in split order by triton_gemv's reduce kernel: deterministic; at 32-64 rows
-10.5 µs vs cuBLAS 11.5) and `swap_ab` (out^T = W x^T: the weight tile fills wgmma's 64-row
+partials summed in split order: deterministic; by triton_gemv's reduce kernel, or in the engine
+by the residual add + RMSNorm after down (SplitSum); at 32-64 rows 10.5 µs vs cuBLAS 11.5, and
+at 128 rows, swapped, down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) and `swap_ab` (out^T = W x^T: the weight tile fills wgmma's 64-row
 side and x's rows the narrow one; gate/up at 128 rows 22.0 µs vs 22.8).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rollout.layers.triton_gemv import (Config, _epilogue, reduce_split, split_k_range,
+from rollout.layers.split_sum import SplitSum
+from rollout.layers.triton_gemv import (Config, _epilogue, finish_split, split_k_range,
                                          split_partials)
 from rollout.layers.triton_ops import _is_compiled
 from rollout.triton_pdl import launch_options, pdl_wait
@@ -77,10 +79,11 @@ _COMPILED = _is_compiled(_gemm_tma_kernel)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-           gated: bool, cfg: Config) -> torch.Tensor:
+           gated: bool, cfg: Config, defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     """out = x @ weight.T (+ bias), or silu(gate) · up of the fused [gate | up] weight; shapes
     checked by triton_gemv. TMA wants 16-byte aligned rows. Split along K: fp32 partials summed
-    in split order by triton_gemv's reduce kernel (deterministic)."""
+    in split order by triton_gemv's reduce kernel (deterministic), or with `defer_split` handed
+    back to be summed by their reader (triton_gemv.finish_split)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     size = x.element_size()
@@ -98,6 +101,4 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         **launch_options())
-    if split > 1:
-        reduce_split(partials, bias, out, gated, split)
-    return out
+    return finish_split(partials, bias, out, gated, split, defer_split)

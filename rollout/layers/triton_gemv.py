@@ -9,8 +9,8 @@ coalesced along K, and use it for all M rows, so the weight is read exactly once
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
 triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
-cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-64 rows split along K; down at
-65-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows split along K; down at
+129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
 TRITON_INTERPRET=1 first.
 
@@ -24,7 +24,9 @@ Two main kernels, picked by the launch config (`Config.dot`):
   * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; also decode
     batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`), M blocks innermost.
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
-and a second kernel sums them in a fixed order: deterministic, no atomics.
+and a second kernel sums them in a fixed order: deterministic, no atomics. With `defer_split`
+the partials go back to the caller as a SplitSum instead, for the next kernel to sum (down's
+reader, the residual add + RMSNorm: one kernel a layer fewer, the same bits).
 `skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads
 matching gate and up row blocks and writes silu(gate) * up: the [M, 2·I] intermediate is never
 written.
@@ -45,13 +47,14 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_ops import _is_compiled, _round
 from rollout.triton_pdl import launch_options, pdl_wait
 
@@ -280,7 +283,7 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
-# to 128, for down 32 and 64, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
+# to 128, for down 32 to 128, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
@@ -306,7 +309,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
     # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
     # graph 1.263 -> 1.242 ms with it, then 1.168 -> 1.160 with the preload)
-    (1, 1536, 8960, False): Config(2, 1024, 1, 8, False, 3, preload=2, lookahead=True),
+    # Thirteenth session: K split in 2, the partials summed by the residual add + RMSNorm after
+    # down (SplitSum): down + add-norm 9.89 µs vs 10.07 unsplit (10.65 with a reduce kernel);
+    # batch-1 decode graph 1.1444 -> 1.1392 ms (benchmarks/ab_thirteenth_session.json).
+    (1, 1536, 8960, False): Config(2, 512, 2, 4, False, 3, preload=2, lookahead=True),
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
     # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
     # of 128, six in flight (ninth session; alone at 128 rows qkv 5.0 µs vs cuBLAS 6.0, o 4.8 vs
@@ -330,7 +336,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
     # 128 rows: cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35; in the engine (twelfth
     # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
-    (128, 1536, 8960, False): None,
+    # and its reduce kernel; with its partials summed by the add + norm after it instead
+    # (thirteenth session: down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) 1.8907 ->
+    # 1.8690 ms (benchmarks/ab_thirteenth_session.json).
+    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True),
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
 }
 
@@ -438,13 +447,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
 
-def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torch.Tensor:
+def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
+            defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
-        return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg)
+        return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)
     split, k_split = split_k_range(K, cfg)
     partials = split_partials(M, N, gated, split, out)
     has_bias = bias is not None
@@ -469,8 +479,23 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config]) -> torc
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
             LOOKAHEAD=bool(cfg.lookahead), **meta)
-    if split > 1:
-        reduce_split(partials, bias, out, gated, split)
+    return finish_split(partials, bias, out, gated, split, defer_split)
+
+
+def finish_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                 gated: bool, split: int, defer: bool) -> Union[torch.Tensor, SplitSum]:
+    """After a launch: `out` (the partials summed into it when split along K), or with `defer`
+    the partials themselves for the next kernel to sum (plain outputs only: no bias, not gated)."""
+    if split == 1:
+        return out
+    if defer and bias is None and not gated:
+        return SplitSum(partials, out.dtype, lambda s: _reduced(s, out))
+    reduce_split(partials, bias, out, gated, split)
+    return out
+
+
+def _reduced(s: SplitSum, out: torch.Tensor) -> torch.Tensor:
+    reduce_split(s.partials, None, out, False, s.splits)
     return out
 
 
@@ -500,15 +525,18 @@ def reduce_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torc
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  config: Optional[Config] = None) -> torch.Tensor:
+                  config: Optional[Config] = None,
+                  defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     """F.linear(x, weight, bias) for x [M, K] (1 <= M <= BATCH_MAX_M, rows contiguous), weight [N, K]
     contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
-    `config` overrides the launch config (benchmarks and tests)."""
+    `config` overrides the launch config (benchmarks and tests). `defer_split`: when the config
+    splits K (and there is no bias), return the fp32 partials as a SplitSum instead of summing
+    them here, for a reader that sums them itself (triton_ops.split_add_rms_norm)."""
     _check(x, weight)
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, False, config)
+    return _launch(x, weight, bias, out, False, config, defer_split)
 
 
 def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: int,

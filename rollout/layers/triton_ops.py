@@ -3,7 +3,8 @@
 A decode step at small batch is dominated by launches, not by math: unfused, every RMSNorm is
 a handful of kernels (cast, pow, mean, add, rsqrt, mul, cast, mul), and every residual add,
 rotary and SiLU gate several more. Here each is one kernel: `fused_add_rms_norm` (residual add +
-RMSNorm), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
+RMSNorm; `split_add_rms_norm` when the added GEMM output is still split-K partials, which it
+sums first), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
 and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
 values into the KV cache in the same launch). The CPU path stays plain torch (the
 HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rollout.layers.split_sum import SplitSum
 from rollout.triton_pdl import launch_options, pdl_wait
 
 MAX_HIDDEN = 16384  # one program holds a whole row
@@ -61,28 +63,36 @@ def _round(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut, eps, inv_n,
-    stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, COMPILED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER, stride_split,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+    COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0).to(tl.int64)  # rows are [outer, inner] pairs (inner: a head, or 1)
     outer, inner = row // INNER, row % INNER
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + outer * stride_x0 + inner * stride_x1 + offs, mask=mask, other=0.0)
+    dt = Residual.dtype.element_ty  # the data's dtype (Residual is X when there is none)
+    x_ptr = X + outer * stride_x0 + inner * stride_x1 + offs
+    if SPLIT > 1:  # X: a GEMM's fp32 split-K partials, summed as triton_gemv's reduce kernel does
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(x_ptr + s * stride_split, mask=mask, other=0.0)
+        x = _round(acc, dt, COMPILED)
+    else:
+        x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to the input dtype, and the norm reads the rounded sum
         res = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
-        xf = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty, COMPILED)
+        xf = _round(x + res.to(tl.float32), dt, COMPILED)
         tl.store(ResidualOut + row * N + offs, xf, mask=mask)
     else:
-        xf = x.to(tl.float32)
+        xf = x
     var = tl.sum(xf * xf, axis=0) * inv_n
     if COMPILED:
         r = libdevice.rsqrt(var + eps)
     else:  # the interpreter has no libdevice
         r = tl.math.rsqrt(var + eps)
-    y = _round(xf * r, X.dtype.element_ty, COMPILED)
+    y = _round(xf * r, dt, COMPILED)
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + outer * stride_o0 + inner * stride_o1 + offs,
              _round(y * w, Out.dtype.element_ty, COMPILED), mask=mask)
@@ -96,22 +106,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(1)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out, splits: int = 1) -> None:
+    """x: [rows, n] or [rows, heads, n]; or, with splits > 1, fp32 partials [splits, rows, n]."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit rows of {n}")
     if n > MAX_HIDDEN:
         raise ValueError(f"rows of {n} exceed MAX_HIDDEN={MAX_HIDDEN}")
-    if x.numel() == 0:
+    if out.numel() == 0:
         return
-    x3, o3 = _rows(x), _rows(out)
+    o3 = _rows(out)
+    if splits > 1:  # [splits, rows, n]: a row's partials are a split stride apart
+        x3, x_strides = x, (x.stride(1), 0, x.stride(0))
+    else:
+        x3 = _rows(x)
+        x_strides = (x3.stride(0), x3.stride(1), 0)
     block = triton.next_power_of_2(n)
     has_res = residual is not None
-    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
+    stride_x0, stride_x1, stride_split = x_strides
+    _rms_norm_kernel[(o3.shape[0] * o3.shape[1],)](
         x3, residual if has_res else x3, weight, o3, residual_out if has_res else o3,
-        eps, 1.0 / n, x3.stride(0), x3.stride(1), residual.stride(0) if has_res else 0,
-        o3.stride(0), o3.stride(1), x3.shape[1],
-        N=n, BLOCK=block, HAS_RESIDUAL=has_res, COMPILED=_COMPILED,
+        eps, 1.0 / n, stride_x0, stride_x1, residual.stride(0) if has_res else 0,
+        o3.stride(0), o3.stride(1), o3.shape[1], stride_split,
+        N=n, BLOCK=block, HAS_RESIDUAL=has_res, SPLIT=splits, COMPILED=_COMPILED,
         num_warps=_num_warps(block), enable_fp_fusion=False, **launch_options())
 
 
@@ -138,6 +155,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _launch_rms_norm(x, residual, weight, eps, out, new_residual)
+    return out, new_residual
+
+
+def split_add_rms_norm(x: SplitSum, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm of a GEMM output still in split-K partials: the kernel sums them as
+    the reduce kernel would (split order, rounded once to the residual's dtype) before the add,
+    so the results are those of fused_add_rms_norm(x.tensor(), ...) bit for bit."""
+    if residual.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"partials of {tuple(x.shape)} {x.dtype} and residual "
+                         f"{tuple(residual.shape)} {residual.dtype} must be [rows, n] of one dtype")
+    if residual.stride(-1) != 1 or x.partials.device != residual.device:
+        raise ValueError("residual must be contiguous in its last dim, on the partials' device")
+    new_residual = torch.empty(residual.shape, dtype=x.dtype, device=residual.device)
+    out = torch.empty(residual.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=residual.device)
+    _launch_rms_norm(x.partials, residual, weight, eps, out, new_residual, splits=x.splits)
     return out, new_residual
 
 
@@ -283,5 +317,5 @@ def _is_compiled(kernel) -> bool:
 
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "apply_rotary_inplace", "KVStore",
-           "MAX_HIDDEN"]
+__all__ = ["fused_add_rms_norm", "split_add_rms_norm", "rms_norm", "silu_and_mul",
+           "apply_rotary_inplace", "KVStore", "MAX_HIDDEN"]

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags), tensor-parallel ready."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.layers.packed_weights import PackedWeights
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
+from rollout.layers.split_sum import SplitSum
 from rollout.models.weight_table import WeightTable
 
 
@@ -68,14 +69,17 @@ class MLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, SplitSum]:
+        """On CUDA the output may be down's split-K partials, summed by the next RMSNorm."""
         if x.is_cuda:
             w = self.gate_up_proj.weight
             if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
                 from rollout.layers import triton_gemv
-                return self.down_proj(triton_gemv.skinny_gate_up_silu(x, w, self.inter))
-            from rollout.layers import triton_ops
-            return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
+                act = triton_gemv.skinny_gate_up_silu(x, w, self.inter)
+            else:
+                from rollout.layers import triton_ops
+                act = triton_ops.silu_and_mul(self.gate_up_proj(x))
+            return self.down_proj(act, defer_split=True)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
@@ -91,12 +95,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: Union[torch.Tensor, SplitSum],
                 residual: Optional[torch.Tensor],
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch) -> tuple[Union[torch.Tensor, SplitSum], torch.Tensor]:
         """SGLang's residual stream: returns (mlp output, residual) and each norm adds the
-        pending branch output to the residual first (one fused kernel on CUDA). The first layer
-        gets residual=None. The same sums as `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
+        pending branch output to the residual first (one fused kernel on CUDA; the mlp output
+        may still be split-K partials, which that kernel sums). The first layer gets
+        residual=None. The same sums as `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:

@@ -1,0 +1,40 @@
+"""A GEMM output still held as split-K partials, summed by the kernel that reads it next.
+
+Why: a decode GEMM split along K (down's K = 8,960) writes fp32 partials [S, M, N], and a
+reduce kernel sums them before the next op reads the output. In a decoder layer that next op is
+the residual add + RMSNorm, one kernel that reads the whole row anyway: it can sum the partials
+itself (`triton_ops.split_add_rms_norm`), and a kernel a layer goes away. The sum is the reduce
+kernel's, in split order, rounded once to the output dtype, so the result is the same bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SplitSum:
+    """fp32 partials [S, M, N] whose sum in split order, rounded to `dtype`, is an [M, N] GEMM
+    output; `reduce` computes that tensor for a reader that cannot take the partials."""
+    partials: torch.Tensor
+    dtype: torch.dtype
+    reduce: Callable[["SplitSum"], torch.Tensor]
+
+    def __post_init__(self):
+        p = self.partials
+        if p.dim() != 3 or p.dtype != torch.float32 or not p.is_contiguous() or p.shape[0] < 2:
+            raise ValueError(f"partials must be contiguous fp32 [S >= 2, M, N], got "
+                             f"{tuple(p.shape)} {p.dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
+
+    @property
+    def splits(self) -> int:
+        return self.partials.shape[0]
+
+    def tensor(self) -> torch.Tensor:
+        return self.reduce(self)
