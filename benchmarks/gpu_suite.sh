@@ -221,9 +221,13 @@ for stage in "$@"; do
     # (its GPU specs; down + add-norm pairs alone over split configs; the engine A/B)
     split-test) run split_test 300 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_fused_ops.py \
               tests/test_triton_gemv.py -p no:cacheprovider ;;
-    split-norm) run split_norm 300 python3 benchmarks/gpu_split_norm.py --rows ${SPLIT_ROWS:-1 128 64 32} \
-              --case-budget-s ${CASE_S:-45} --out "$OUT/split_norm.json" --configs-out "$OUT/split_norm_configs.json"
-              cat "$OUT/split_norm_configs.json" ;;
+    split-norm) for shape in ${SPLIT_SHAPES:-down}; do
+              run split_norm_$shape 300 python3 benchmarks/gpu_split_norm.py --shape $shape \
+              --rows ${SPLIT_ROWS:-1 128 64 32} --case-budget-s ${CASE_S:-45} --out "$OUT/split_norm_$shape.json" \
+              --configs-out "$OUT/split_norm_${shape}_configs.json"
+              cat "$OUT/split_norm_${shape}_configs.json"; done ;;
+    ab13b) run ab13b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13b.json" ;;
     ab13) run ab13 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

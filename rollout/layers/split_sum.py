@@ -1,9 +1,10 @@
 """A GEMM output still held as split-K partials, summed by the kernel that reads it next.
 
-Why: a decode GEMM split along K (down's K = 8,960) writes fp32 partials [S, M, N], and a
-reduce kernel sums them before the next op reads the output. In a decoder layer that next op is
-the residual add + RMSNorm, one kernel that reads the whole row anyway: it can sum the partials
-itself (`triton_ops.split_add_rms_norm`), and a kernel a layer goes away. The sum is the reduce
+Why: a decode GEMM split along K (down's K = 8,960; o at decode batches, for more programs)
+writes fp32 partials [S, M, N], and a reduce kernel sums them before the next op reads the
+output. In a decoder layer that next op is the residual add + RMSNorm, one kernel that reads the
+whole row anyway: it can sum the partials itself (`triton_ops.split_add_rms_norm`), and the
+reduce kernel goes away. The sum is the reduce
 kernel's, in split order, rounded once to the output dtype, so the result is the same bit for bit.
 """
 from __future__ import annotations

@@ -9,8 +9,9 @@ coalesced along K, and use it for all M rows, so the weight is read exactly once
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
 triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
-cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows split along K; down at
-129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows and o at 17-128 rows
+split along K, their partials summed by the add + norm that reads them; down at 129-256 rows
+stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
 TRITON_INTERPRET=1 first.
 
@@ -283,7 +284,7 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
-# to 128, for down 32 to 128, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
+# to 128 (o split along K), for down 32 to 128, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
@@ -323,9 +324,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (64, 2048, 1536, False): _TMA_QKV_O,
     (128, 2048, 1536, False): _TMA_QKV_O,
     (256, 2048, 1536, False): None,
-    (32, 1536, 1536, False): _TMA_QKV_O,
-    (64, 1536, 1536, False): _TMA_QKV_O,
-    (128, 1536, 1536, False): _TMA_QKV_O,
+    # o at decode batches split along K, its partials summed by the post-attention add + RMSNorm
+    # (thirteenth session, benchmarks/gpu_split_norm.py --shape o: o + add-norm at 32 / 64 / 128
+    # rows 5.17 / 5.15 / 5.68 µs vs 5.93 / 5.74 / 5.86 with the unsplit _TMA_QKV_O; in the
+    # engine, benchmarks/ab_thirteenth_session_b.json, decode graph batch 32 1.5996 -> 1.5830
+    # ms, 64 1.6312 -> 1.5986, 128 1.8728 -> 1.8692). With a reduce kernel they lose.
+    (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
+    (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
+    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True),
     (256, 1536, 1536, False): None,
     # down at decode batches of 17-64 rows: TMA-fed, K = 8,960 split in 7 / 5 (fp32 partials
     # summed in split order), 64-row tiles 128 / 64 columns wide (tenth session; alone 10.5 µs

@@ -35,7 +35,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(layer_id, self.heads, self.kv_heads, d)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
         n, d = x.shape[0], self.attn.head_dim
         qk, v = self.qkv_proj(x).split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
                                          self.qkv_proj.kv_size], dim=-1)
@@ -58,7 +58,8 @@ class DecoderAttention(nn.Module):
                                dim=1)
             apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v, fb, kv_stored))
+        # read by the post-attention add + RMSNorm, which can sum split-K partials itself
+        return self.o_proj(self.attn(q, k, v, fb, kv_stored), defer_split=True)
 
 
 class MLP(nn.Module):
