@@ -228,6 +228,8 @@ for stage in "$@"; do
               cat "$OUT/split_norm_${shape}_configs.json"; done ;;
     ab13b) run ab13b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13b.json" ;;
+    ab13c) run ab13c 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-32 64 128} --timeout-s 150 --out "$OUT/ab13c.json" ;;
     ab13) run ab13 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

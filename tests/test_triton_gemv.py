@@ -286,6 +286,37 @@ def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
         assert not triton_gemv.supports(unaligned, w)
 
 
+@gpu
+@pytest.mark.parametrize("prefetch_k", [256, 1536])
+def test_gpu_tma_l2_prefetch_changes_no_bit(prefetch_k):
+    """The TMA kernel's L2 prefetch of its weight rows before the PDL wait is a hint: every
+    table TMA entry (qkv, o, down split along K, the fused gate/up) gives the same bits with it,
+    eager and in a CUDA graph."""
+    shapes = dict(QWEN2_1_5B, gate_up=(17920, 1536, False))
+    for name in ("qkv", "o", "down", "gate_up"):
+        n, k, has_bias = shapes[name]
+        w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
+        b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
+        for m in ((64, 128) if name == "gate_up" else (32, 64, 128)):
+            gated = name == "gate_up"
+            cfg = triton_gemv._config(m, n, k, gated)
+            assert cfg.tma, (name, m)
+            x = rand(m, k, dtype=torch.bfloat16, seed=m)
+
+            def call(c):
+                if gated:
+                    return skinny_gate_up_silu(x, w, n // 2, config=c)
+                return skinny_linear(x, w, b, config=c)
+            ref = call(cfg)
+            with_prefetch = cfg._replace(prefetch_k=prefetch_k)
+            assert torch.equal(call(with_prefetch), ref), (name, m)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call(with_prefetch)
+            graph.replay()
+            assert torch.equal(out, ref), (name, m)
+
+
 def test_tma_entries_need_a_gpu_with_tma(monkeypatch):
     """The table's TMA entries were measured on an H200: a GPU older than compute capability 9.0
     (no TMA) is not offered them (cuBLAS instead)."""

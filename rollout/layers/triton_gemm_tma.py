@@ -9,6 +9,11 @@ fused gate/up + SiLU 23.6 -> 19.1 at 64 (`benchmarks/gpu_gemm_tma.py`). The epil
 triton_gemv's (bias, or SiLU · up, rounded as the unfused path). Off a Hopper-class GPU the
 interpreter runs it too (CPU specs).
 
+Under PDL a program may prefetch the first `Config.prefetch_k` columns of its weight rows into
+L2 before it waits for the kernel before it (Hopper's bulk prefetch; a hint, the same bits): the
+weights are no earlier kernel's output, so they stream while that kernel finishes, as the
+one-row kernels' preloads do (the table's 128-row entries; at 32-64 rows it measured slower).
+
 Two options of the launch config: `split_k` (down's K = 8,960 over 5-7 programs a tile, fp32
 partials summed in split order: deterministic; by triton_gemv's reduce kernel, or in the engine
 by the residual add + RMSNorm after down (SplitSum); at 32-64 rows 10.5 µs vs cuBLAS 11.5, and
@@ -31,19 +36,43 @@ from rollout.layers.triton_ops import _is_compiled
 from rollout.triton_pdl import launch_options, pdl_wait
 
 
+@triton.jit
+def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Hopper's bulk L2 prefetch of W[row0 : row0 + ROWS, k0 : k0 + COLS] (rows < rows_end,
+    columns < min(k_end, K)), one instruction a row: a hint, it changes no value."""
+    eb: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.minimum(COLS, tl.minimum(k_end, K) - k0)
+    size = (cols * eb) // 16 * 16  # the instruction's unit
+    valid = ((rows < rows_end) & (size > 0)).to(tl.int32)
+    addr = W.to(tl.int64) + (rows.to(tl.int64) * K + k0) * eb
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, size + 0 * rows, valid], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _gemm_tma_kernel(x_desc, w_desc, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
+def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
                      GATED: tl.constexpr, COMPILED: tl.constexpr, PREC: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+                     PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr):
     # M blocks innermost: the programs that read one weight block run side by side (L2 hits)
     blocks_m = tl.cdiv(M, BLOCK_M)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     off_m = (pid % blocks_m) * BLOCK_M
     off_n = (pid // blocks_m) * BLOCK_N
     k_start = pid_k * K_SPLIT
+    # The weights are no earlier kernel's output: under PDL the first PREFETCH_K columns of this
+    # program's weight rows stream into L2 while the kernel before still runs (the first M
+    # block's program asks; the others read the same rows)
+    if COMPILED and PREFETCH_K > 0 and off_m == 0:
+        _prefetch_l2(W, off_n, N, k_start, k_start + K_SPLIT, K, BLOCK_N, PREFETCH_K)
+        if GATED:  # the up half's rows start at N
+            _prefetch_l2(W, N + off_n, 2 * N, k_start, k_start + K_SPLIT, K, BLOCK_N,
+                         PREFETCH_K)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     # SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few rows of x fill the
     # narrow N side instead of padding the 64-row M side of Hopper's wgmma
     if SWAP_AB:
@@ -95,10 +124,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     _gemm_tma_kernel[grid](
-        x_desc, w_desc, bias if bias is not None else out, out, partials, M, N, K, k_split,
+        x_desc, w_desc, weight, bias if bias is not None else out, out, partials, M, N, K, k_split,
         out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
         COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        PREFETCH_K=cfg.prefetch_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         **launch_options())
     return finish_split(partials, bias, out, gated, split, defer_split)

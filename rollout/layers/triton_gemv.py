@@ -79,6 +79,8 @@ class Config(NamedTuple):
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
+    prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
+    # the PDL wait (0: none)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -305,7 +307,13 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # rows on the other; tenth session: alone 22.0 µs vs 22.8 for the kernel without TMA and
     # 23.1 for cuBLAS + SiLU; batch-128 decode graph 1.9803 -> 1.9506 ms,
     # benchmarks/ab_tenth_session_b.json)
-    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True),
+    # + (thirteenth session) its first 256 columns prefetched into L2 before the PDL wait, with
+    # the other 128-row TMA entries' (below; benchmarks/ab_thirteenth_session_c.json: batch-128
+    # decode graph 1.8739 -> 1.8602 ms with qkv and o whole, gate/up 256 and down 512 columns;
+    # qkv and o alone 1.8687; gate/up 512 and down whole 1.9546; at 32 and 64 rows every
+    # prefetch lost, 0.3-9%, so their entries have none)
+    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
+                                     prefetch_k=256),
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
     # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
@@ -322,7 +330,7 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # to cuBLAS at every batch (qkv 6.5-8.3 µs vs 5.3-6.1). 256 rows: not measured, cuBLAS.
     (32, 2048, 1536, False): _TMA_QKV_O,
     (64, 2048, 1536, False): _TMA_QKV_O,
-    (128, 2048, 1536, False): _TMA_QKV_O,
+    (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # L2 prefetch: gate/up's
     (256, 2048, 1536, False): None,
     # o at decode batches split along K, its partials summed by the post-attention add + RMSNorm
     # (thirteenth session, benchmarks/gpu_split_norm.py --shape o: o + add-norm at 32 / 64 / 128
@@ -331,7 +339,7 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # ms, 64 1.6312 -> 1.5986, 128 1.8728 -> 1.8692). With a reduce kernel they lose.
     (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
     (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
-    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True),
+    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True, prefetch_k=1536),
     (256, 1536, 1536, False): None,
     # down at decode batches of 17-64 rows: TMA-fed, K = 8,960 split in 7 / 5 (fp32 partials
     # summed in split order), 64-row tiles 128 / 64 columns wide (tenth session; alone 10.5 µs
@@ -345,7 +353,8 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # and its reduce kernel; with its partials summed by the add + norm after it instead
     # (thirteenth session: down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) 1.8907 ->
     # 1.8690 ms (benchmarks/ab_thirteenth_session.json).
-    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True),
+    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
+                                     prefetch_k=512),  # L2 prefetch: see gate/up's entry
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
 }
 
