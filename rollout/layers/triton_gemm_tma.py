@@ -30,10 +30,26 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rollout.layers.split_sum import SplitSum
-from rollout.layers.triton_gemv import (Config, _epilogue, _prefetch_l2, finish_split,
-                                         split_k_range, split_partials)
+from rollout.layers.triton_gemv import (Config, _epilogue, finish_split, split_k_range,
+                                         split_partials)
 from rollout.layers.triton_ops import _is_compiled
 from rollout.triton_pdl import launch_options, pdl_wait
+
+
+@triton.jit
+def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Hopper's bulk L2 prefetch of W[row0 : row0 + ROWS, k0 : k0 + COLS] (rows < rows_end,
+    columns < min(k_end, K)), one instruction a row: a hint, it changes no value."""
+    eb: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.minimum(COLS, tl.minimum(k_end, K) - k0)
+    size = (cols * eb) // 16 * 16  # the instruction's unit
+    valid = ((rows < rows_end) & (size > 0)).to(tl.int32)
+    addr = W.to(tl.int64) + (rows.to(tl.int64) * K + k0) * eb
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, size + 0 * rows, valid], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])

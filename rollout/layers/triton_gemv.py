@@ -79,8 +79,8 @@ class Config(NamedTuple):
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
-    prefetch_k: int = 0  # K columns of a program's weight rows prefetched into L2 before the
-    # PDL wait (0: none; the FMA kernel: the columns after its preloaded chunks)
+    prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
+    # the PDL wait (0: none)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -144,29 +144,12 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
     return tl.load(x_ptr + k, mask=(offs_k + k < K)[None, None, :], other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Hopper's bulk L2 prefetch of W[row0 : row0 + ROWS, k0 : k0 + COLS] (rows < rows_end,
-    columns < min(k_end, K)), one instruction a row: a hint, it changes no value."""
-    eb: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    rows = row0 + tl.arange(0, ROWS)
-    cols = tl.minimum(COLS, tl.minimum(k_end, K) - k0)
-    size = (cols * eb) // 16 * 16  # the instruction's unit
-    valid = ((rows < rows_end) & (size > 0)).to(tl.int32)
-    addr = W.to(tl.int64) + (rows.to(tl.int64) * K + k0) * eb
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, size + 0 * rows, valid], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
 def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, PREFETCH_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -182,12 +165,6 @@ def _gemv_fma_kernel(
     # the previous kernel finishes; x (its output) only after the wait.
     # PRELOAD chunks of it (all of a short K) are in flight before the wait.
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
-    if COMPILED and PREFETCH_K > 0:  # the split's next columns into L2 (registers are full)
-        k_pf = pid_k * K_SPLIT + PRELOAD * BLOCK_K
-        k_end = (pid_k + 1) * K_SPLIT
-        _prefetch_l2(W, pid_n * BLOCK_N, N, k_pf, k_end, K, BLOCK_N, PREFETCH_K)
-        if GATED:
-            _prefetch_l2(W_UP, pid_n * BLOCK_N, N, k_pf, k_end, K, BLOCK_N, PREFETCH_K)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
@@ -516,7 +493,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), PREFETCH_K=cfg.prefetch_k, **meta)
+            LOOKAHEAD=bool(cfg.lookahead), **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 
