@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, SHAPES, rel_err, time_per_call
+from benchmarks.gpu_gemv import SHAPES, rel_err, time_per_call, weight_copies
 
 
 def variants(x, ws, bias):
@@ -43,10 +42,9 @@ def main() -> None:
     for M in args.rows:
         for name in args.shapes:
             N, K, has_bias, _ = SHAPES[name]
-            n_w = max(1, min(CALLS, math.ceil(ROTATE_BYTES / (N * K * 2))))
             gen = torch.Generator(device="cuda").manual_seed(0)
-            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
-                  for _ in range(n_w)]
+            ws = weight_copies(N, K, gen)
+            n_w = len(ws)
             bias = (torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
                     if has_bias else None)
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -13,16 +13,15 @@ of every case where it beats the current path.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, rel_err, time_per_call
+from benchmarks.gpu_gemv import (SHAPES, rel_err, start_sweep, sweep_parser, time_per_call,
+                                 weight_copies, write_winners)
 
 
 KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
@@ -115,10 +114,9 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bo
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
-    n_w = max(1, min(CALLS, math.ceil(ROTATE_BYTES / wbytes)))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
-          for _ in range(n_w)]
+    ws = weight_copies(N, K, gen)
+    n_w = len(ws)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen) if has_bias else None
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
 
@@ -179,20 +177,13 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--configs-out", default=None)
+    p = sweep_parser(__doc__.splitlines()[0], case_budget_s=25.0)
     p.add_argument("--shapes", nargs="*", default=["gate_up", "down", "qkv", "o"])
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
-    p.add_argument("--case-budget-s", type=float, default=25.0)
-    p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
     p.add_argument("--narrow", action="store_true",
                    help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
     args = p.parse_args()
-    result: dict = {"errors": [], "cases": []}
-    copy_bw = copy_bandwidth()
-    result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
+    result, copy_bw = start_sweep()
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
           f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:
@@ -213,12 +204,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     if args.configs_out:
-        entries = [{"M": r["M"], "N": r["N"], "K": r["K"], "gated": r["gated"],
-                    "config": {"dot": True, "tma": True, **r["best"]["config"]}}
-                   for r in result["cases"] if r.get("speedup_vs_table", 0) >= args.min_gain]
-        with open(args.configs_out, "w") as f:
-            json.dump(entries, f, indent=1)
-        print(f"{len(entries)} TMA entries -> {args.configs_out}")
+        write_winners(args.configs_out, result["cases"], args.min_gain,
+                      lambda r: {"dot": True, "tma": True, **r["best"]["config"]})
 
 
 if __name__ == "__main__":

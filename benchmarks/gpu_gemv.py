@@ -52,6 +52,48 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
+def weight_copies(N: int, K: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random bf16 [N, K] weights (scaled by K^-1/2), as many copies as make calls rotating over
+    them read each from HBM (> 2x L2 in all, at most CALLS)."""
+    n_w = max(1, min(CALLS, math.ceil(ROTATE_BYTES / (N * K * 2))))
+    return [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
+            for _ in range(n_w)]
+
+
+def run_info(copy_bw: float) -> dict:
+    """The device, library versions and copy bandwidth a sweep's JSON starts with."""
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
+
+
+def sweep_parser(description: str, case_budget_s: float) -> argparse.ArgumentParser:
+    """The options of a per-case config sweep (gpu_gemm_tma, gpu_split_norm): JSON out, the
+    configs file of the winners, a time budget a case, the gain a winner needs."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs-out", default=None)
+    p.add_argument("--case-budget-s", type=float, default=case_budget_s)
+    p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
+    return p
+
+
+def write_winners(path: str, cases: list[dict], min_gain: float, config_of) -> None:
+    """A sweep's configs file (for ROLLOUT_SKINNY_CONFIGS / benchmarks/engine_ab.py): the best
+    config (`config_of(case)`) of each case that beats the table's path by `min_gain`."""
+    entries = [{"M": r["M"], "N": r["N"], "K": r["K"], "gated": r.get("gated", False),
+                "config": config_of(r)}
+               for r in cases if r.get("speedup_vs_table", 0) >= min_gain]
+    with open(path, "w") as f:
+        json.dump(entries, f, indent=1)
+    print(f"{len(entries)} entries -> {path}")
+
+
+def start_sweep() -> tuple[dict, float]:
+    """A sweep's result dict (errors, cases, run_info) and the copy bandwidth it measured."""
+    copy_bw = copy_bandwidth()
+    return {"errors": [], "cases": [], **run_info(copy_bw)}, copy_bw
+
+
 def time_per_call(fn, n_weights: int, replays: int = 10) -> float:
     """Seconds per fn(i) call, i cycling over the weight copies, in a graph of CALLS calls."""
     for i in range(2):  # compile and warm up outside the capture
@@ -157,10 +199,9 @@ def run_case(g, triton_ops, name: str, M: int, copy_bw: float, deadline: float) 
     N, K, has_bias, gated = SHAPES[name]
     dtype = torch.bfloat16
     wbytes = N * K * 2
-    n_w = max(1, min(CALLS, math.ceil(ROTATE_BYTES / wbytes)))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", dtype=dtype, generator=gen) * K ** -0.5
-          for _ in range(n_w)]
+    ws = weight_copies(N, K, gen)
+    n_w = len(ws)
     bias = torch.randn(N, device="cuda", dtype=dtype, generator=gen) if has_bias else None
     x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
     inter = N // 2
@@ -243,9 +284,7 @@ def main() -> None:
         from rollout.layers import triton_gemv as g
         from rollout.layers import triton_ops
         copy_bw = copy_bandwidth()
-        result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                      triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9,
-                      calls_per_graph=CALLS)
+        result.update(run_info(copy_bw), calls_per_graph=CALLS)
         print(f"{result['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + written)")
     except Exception:
         result["errors"].append(traceback.format_exc())

@@ -17,9 +17,7 @@ path by `--min-gain`.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 import traceback
 
@@ -27,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_gemm_tma import candidates as tma_candidates
-from benchmarks.gpu_gemv import CALLS, ROTATE_BYTES, copy_bandwidth, time_per_call
+from benchmarks.gpu_gemv import (start_sweep, sweep_parser, time_per_call, weight_copies,
+                                 write_winners)
 
 SHAPES = {"down": (1536, 8960), "o": (1536, 1536)}  # N, K
 EPS = 1e-6
@@ -63,10 +62,9 @@ def run_case(shape: str, M: int, copy_bw: float, budget_s: float) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K = SHAPES[shape]
     wbytes = N * K * 2
-    n_w = max(1, min(CALLS, math.ceil(ROTATE_BYTES / wbytes)))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
-          for _ in range(n_w)]
+    ws = weight_copies(N, K, gen)
+    n_w = len(ws)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=gen)
     nw = torch.rand(N, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
@@ -115,18 +113,11 @@ def run_case(shape: str, M: int, copy_bw: float, budget_s: float) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--configs-out", default=None)
+    p = sweep_parser(__doc__.splitlines()[0], case_budget_s=40.0)
     p.add_argument("--shape", choices=list(SHAPES), default="down")
     p.add_argument("--rows", nargs="*", type=int, default=[1, 32, 64, 128])
-    p.add_argument("--case-budget-s", type=float, default=40.0)
-    p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
     args = p.parse_args()
-    result: dict = {"errors": [], "cases": []}
-    copy_bw = copy_bandwidth()
-    result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, copy_bandwidth_GBps=copy_bw / 1e9)
+    result, copy_bw = start_sweep()
     print(f"{'M':>3} | {'cuBLAS+norm':>11} | {'table+norm':>10} ({'kernel':11}) | "
           f"{'deferred':>8} {'(reduced)':>9} {'x table':>7}  best config")
     for M in args.rows:
@@ -147,12 +138,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.configs_out:
-        entries = [{"M": r["M"], "N": r["N"], "K": r["K"], "gated": False,
-                    "config": r["best"]["config"]}
-                   for r in result["cases"] if r.get("speedup_vs_table", 0) >= args.min_gain]
-        with open(args.configs_out, "w") as f:
-            json.dump(entries, f, indent=1)
-        print(f"{len(entries)} entries -> {args.configs_out}")
+        write_winners(args.configs_out, result["cases"], args.min_gain,
+                      lambda r: r["best"]["config"])
 
 
 if __name__ == "__main__":
