@@ -234,6 +234,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 120 --out "$OUT/ab13d.json" ;;
     ab13e) run ab13e 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session_e.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 32 64 128 --timeout-s 120 --out "$OUT/ab13e.json" ;;
+    ab13f) run ab13f 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session_f.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 100 --out "$OUT/ab13f.json" ;;
     ab13) run ab13 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

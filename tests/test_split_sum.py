@@ -18,7 +18,7 @@ from rollout.layers.split_sum import SplitSum  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_linear  # noqa: E402
 from rollout.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 from tests.helpers import DEV, RunnerDriver, gpu, require_runnable_triton  # noqa: E402
-from tests.test_fused_ops import EPS, check, rand, ref_rms_norm  # noqa: E402
+from tests.test_fused_ops import EPS, check, rand, ref_rms_norm, rope  # noqa: E402
 
 require_runnable_triton(triton_ops._rms_norm_kernel)
 
@@ -86,7 +86,7 @@ SPLIT_CONFIGS = {
 @pytest.mark.parametrize("config", list(SPLIT_CONFIGS))
 def test_skinny_linear_defers_its_split(config):
     """defer_split with a split config: a SplitSum whose sum is the reduced output bit for bit;
-    no split, or a bias, or the gated kernel: the tensor as before."""
+    with a bias, the bias goes with it; no split: the tensor as before."""
     cfg = SPLIT_CONFIGS[config]
     f32 = torch.float32
     w, b = rand(40, 96, dtype=f32, seed=1), rand(40, dtype=f32, seed=2)
@@ -98,9 +98,71 @@ def test_skinny_linear_defers_its_split(config):
         assert torch.equal(ordered_sum(deferred.partials, x.dtype),
                            skinny_linear(x, w, config=cfg))
         assert torch.equal(deferred.tensor(), skinny_linear(x, w, config=cfg))
-        assert isinstance(skinny_linear(x, w, b, config=cfg, defer_split=True), torch.Tensor)
+        biased = skinny_linear(x, w, b, config=cfg, defer_split=True)  # the bias rides along
+        assert isinstance(biased, SplitSum) and torch.equal(biased.bias, b)
+        assert torch.equal(biased.tensor(), skinny_linear(x, w, b, config=cfg))
         one = cfg._replace(split_k=1)
         assert isinstance(skinny_linear(x, w, config=one, defer_split=True), torch.Tensor)
+
+
+def qkv_case(rows, q_heads, kv_heads, splits, dtype, with_bias, seed=0):
+    """Partials of a qkv output [rows, (q + 2 kv) · 64] (+ bias), the rope tables, KV slots."""
+    width = (q_heads + 2 * kv_heads) * 64
+    partials = rand(splits, rows, width, dtype=torch.float32, seed=seed)
+    bias = rand(width, dtype=dtype, seed=seed + 1) if with_bias else None
+    cos, sin = rope(rows, 64, dtype, seed=rows)
+    loc = torch.randperm(40, generator=torch.Generator().manual_seed(rows))[:rows].add(1).to(DEV)
+    return partials, bias, cos, sin, loc
+
+
+def qkv_views(qkv, q_heads, kv_heads):
+    rows = qkv.shape[0]
+    return (qkv[:, :(q_heads + kv_heads) * 64].view(rows, q_heads + kv_heads, 64),
+            qkv[:, (q_heads + kv_heads) * 64:].view(rows, kv_heads, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("rows,heads,splits", [(1, (4, 2), 2), (5, (6, 1), 3), (17, (12, 2), 4)])
+def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, rows, heads, splits):
+    """The rotary kernel given qkv's split-K partials (+ bias) writes the qkv output — q and k
+    rotated, v as summed — and the KV cache exactly as the reduce kernel followed by the rotary
+    kernel do."""
+    q_heads, kv_heads = heads
+    partials, bias, cos, sin, loc = qkv_case(rows, q_heads, kv_heads, splits, dtype, with_bias,
+                                             seed=rows)
+    split = SplitSum(partials, dtype, lambda s: None, bias)
+    reduced = torch.empty(partials.shape[1:], dtype=dtype, device=DEV)
+    triton_gemv.reduce_split(partials, bias, reduced, False, splits)
+    results = []
+    for source in (None, split):
+        qkv = reduced.clone() if source is None else torch.full_like(reduced, float("nan"))
+        qk, v = qkv_views(qkv, q_heads, kv_heads)
+        kb = torch.zeros(48, kv_heads, 64, dtype=dtype, device=DEV)
+        vb = torch.zeros_like(kb)
+        kv = triton_ops.KVStore(v, loc, kb, vb) if store else None
+        triton_ops.apply_rotary_inplace(
+            qk, cos, sin, kv=kv,
+            source=triton_ops.RotarySource(source, v) if source is not None else None)
+        results.append((qkv, kb, vb))
+    (ref, ref_kb, ref_vb), (out, kb, vb) = results
+    assert torch.equal(out, ref) and torch.equal(kb, ref_kb) and torch.equal(vb, ref_vb)
+    if store:
+        assert torch.equal(vb[loc], ref[:, (q_heads + kv_heads) * 64:].view(rows, kv_heads, 64))
+
+
+def test_rotary_source_must_be_the_qkv_output():
+    partials, bias, cos, sin, _ = qkv_case(3, 4, 2, 2, torch.float32, False)
+    qkv = torch.empty(partials.shape[1:], device=DEV)
+    qk, v = qkv_views(qkv, 4, 2)
+    split = SplitSum(partials, torch.float32, lambda s: None)
+    other_v = torch.empty_like(v)
+    with pytest.raises(ValueError, match="one qkv output"):
+        triton_ops.apply_rotary_inplace(qk, cos, sin, source=triton_ops.RotarySource(split, other_v))
+    short = SplitSum(partials[:, :, :-64].contiguous(), torch.float32, lambda s: None)
+    with pytest.raises(ValueError, match="one qkv output"):
+        triton_ops.apply_rotary_inplace(qk, cos, sin, source=triton_ops.RotarySource(short, v))
 
 
 def test_split_sum_refuses_bad_partials():
@@ -114,6 +176,13 @@ def test_split_sum_refuses_bad_partials():
                                       torch.ones(64, device=DEV), EPS)
     with pytest.raises(ValueError, match="one dtype"):
         triton_ops.split_add_rms_norm(s, torch.zeros(4, 64, device=DEV),
+                                      torch.ones(64, device=DEV), EPS)
+    with pytest.raises(ValueError, match="bias"):
+        SplitSum(torch.zeros(2, 3, 64), torch.float32, lambda s: None, torch.zeros(63))
+    biased = SplitSum(torch.zeros(2, 3, 64, device=DEV), torch.float32, lambda s: None,
+                      torch.zeros(64, device=DEV))
+    with pytest.raises(ValueError, match="sum them first"):
+        triton_ops.split_add_rms_norm(biased, torch.zeros(3, 64, device=DEV),
                                       torch.ones(64, device=DEV), EPS)
 
 
@@ -155,14 +224,20 @@ def decode_logits(path: str, rows: int, graph: bool) -> torch.Tensor:
 
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("rows", [1, 32, 64, 128])
+@pytest.mark.parametrize("rows,qkv_split", [(1, 1), (32, 1), (64, 1), (128, 1), (32, 2),
+                                            (128, 3)])
 def test_gpu_model_logits_equal_with_and_without_the_deferred_sum(tmp_path, monkeypatch, rows,
-                                                                  graph):
-    """A model with Qwen2-1.5B's MLP shape (random bf16 weights, two layers) at the batches
-    where the table splits down's K: its decode logits, eager and from the decode CUDA graph,
-    are bit for bit those of the same model whose down sums its partials itself
+                                                                  qkv_split, graph):
+    """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers) at the batches where
+    the table splits down's K (and o's; qkv's where the table or `qkv_split` > 1 splits it, its
+    partials and bias summed by the rotary kernel): its decode logits, eager and from the decode CUDA graph, are
+    bit for bit those of the same model whose GEMMs sum their partials themselves
     (ROLLOUT_DEFER_SPLIT_K=0)."""
     assert triton_gemv._config(rows, 1536, 8960).split_k > 1  # else this tests nothing
+    if qkv_split > 1:
+        key = (rows, 2048, 1536, False)
+        monkeypatch.setitem(triton_gemv._TUNED, key,
+                            triton_gemv._config(*key)._replace(split_k=qkv_split))
     spec = TinyModelSpec(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                          num_key_value_heads=2, dtype="bfloat16")
     path = str(make_tiny_model(tmp_path / "m", spec))

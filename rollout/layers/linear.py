@@ -86,8 +86,9 @@ class ColumnParallelLinear(nn.Module):
         dst = param.data.narrow(0, self.local_offsets[shard_id], length)
         copy_into(dst, full.narrow(0, start, length))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
+        """`defer_split`: the caller's reader sums split-K partials itself (`linear`)."""
+        return linear(x, self.weight, self.bias, defer_split=defer_split)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         GEMM output still in split-K partials (CUDA): the add + norm kernel sums them."""
         if isinstance(x, SplitSum):
             from rollout.layers import triton_ops
-            if residual is not None:
+            if residual is not None and x.bias is None:
                 return triton_ops.split_add_rms_norm(x, residual, self.weight, self.eps)
             x = x.tensor()
         if x.is_cuda:

@@ -10,8 +10,8 @@ Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, 
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
 triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
 cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows and o at 17-128 rows
-split along K, their partials summed by the add + norm that reads them; down at 129-256 rows
-stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+split along K, their partials summed by the add + norm that reads them, qkv at 17-32 rows by the
+rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
 TRITON_INTERPRET=1 first.
 
@@ -328,7 +328,11 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # 5.5; in the engine the decode graph -2.1% at batches 32, 64 and 128,
     # benchmarks/ab_ninth_session_d.json). The fourth session's M-tiled kernel without TMA lost
     # to cuBLAS at every batch (qkv 6.5-8.3 µs vs 5.3-6.1). 256 rows: not measured, cuBLAS.
-    (32, 2048, 1536, False): _TMA_QKV_O,
+    # 32 rows: K split in 2, the partials and bias summed by the rotary kernel that reads qkv
+    # (thirteenth session, benchmarks/ab_thirteenth_session_f.json: batch-32 decode graph
+    # 1.5858 -> 1.5690 ms; at 64 rows a tie, 1.6025 / 1.6024; at 128 slower, 1.8611 -> 1.9218;
+    # split in 3 slower at all three)
+    (32, 2048, 1536, False): _TMA_QKV_O._replace(split_k=2),
     (64, 2048, 1536, False): _TMA_QKV_O,
     (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # L2 prefetch: gate/up's
     (256, 2048, 1536, False): None,
@@ -500,17 +504,18 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
 def finish_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
                  gated: bool, split: int, defer: bool) -> Union[torch.Tensor, SplitSum]:
     """After a launch: `out` (the partials summed into it when split along K), or with `defer`
-    the partials themselves for the next kernel to sum (plain outputs only: no bias, not gated)."""
+    the partials themselves (and the bias) for the next kernel to sum (not the gated output,
+    whose SiLU needs the sums)."""
     if split == 1:
         return out
-    if defer and bias is None and not gated:
-        return SplitSum(partials, out.dtype, lambda s: _reduced(s, out))
+    if defer and not gated:
+        return SplitSum(partials, out.dtype, lambda s: _reduced(s, out), bias)
     reduce_split(partials, bias, out, gated, split)
     return out
 
 
 def _reduced(s: SplitSum, out: torch.Tensor) -> torch.Tensor:
-    reduce_split(s.partials, None, out, False, s.splits)
+    reduce_split(s.partials, s.bias, out, False, s.splits)
     return out
 
 
@@ -545,8 +550,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """F.linear(x, weight, bias) for x [M, K] (1 <= M <= BATCH_MAX_M, rows contiguous), weight [N, K]
     contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
     `config` overrides the launch config (benchmarks and tests). `defer_split`: when the config
-    splits K (and there is no bias), return the fp32 partials as a SplitSum instead of summing
-    them here, for a reader that sums them itself (triton_ops.split_add_rms_norm)."""
+    splits K, return the fp32 partials (and the bias) as a SplitSum instead of summing them
+    here, for a reader that sums them itself (triton_ops.split_add_rms_norm, the rotary
+    kernel's `source`)."""
     _check(x, weight)
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")

@@ -6,7 +6,8 @@ rotary and SiLU gate several more. Here each is one kernel: `fused_add_rms_norm`
 RMSNorm; `split_add_rms_norm` when the added GEMM output is still split-K partials, which it
 sums first), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
 and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
-values into the KV cache in the same launch). The CPU path stays plain torch (the
+values into the KV cache in the same launch, and optionally computing qkv first from its GEMM's
+split-K partials: `RotarySource`). The CPU path stays plain torch (the
 HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
 and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
 are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
@@ -168,6 +169,8 @@ def split_add_rms_norm(x: SplitSum, residual: torch.Tensor, weight: torch.Tensor
                          f"{tuple(residual.shape)} {residual.dtype} must be [rows, n] of one dtype")
     if residual.stride(-1) != 1 or x.partials.device != residual.device:
         raise ValueError("residual must be contiguous in its last dim, on the partials' device")
+    if x.bias is not None:
+        raise ValueError("partials with a bias: sum them first (SplitSum.tensor())")
     new_residual = torch.empty(residual.shape, dtype=x.dtype, device=residual.device)
     out = torch.empty(residual.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=residual.device)
@@ -215,11 +218,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- rotary ---------------------------------------------------------------------------------------
 @triton.jit
+def _split_sum(P, Bias, offs, cols, stride_split, mask, acc, SPLIT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, dt: tl.constexpr, COMPILED: tl.constexpr):
+    """A GEMM's output values at `offs` from its fp32 split-K partials: summed in split order
+    onto `acc` (zeros), + the bias at `cols`, rounded once — triton_gemv's reduce kernel's sum."""
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(P + s * stride_split + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
+    return _round(acc, dt, COMPILED)
+
+
+@triton.jit
 def _rotary_kernel(
     X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
     V, Loc, KBuf, VBuf, stride_vt, stride_kb, stride_vb, Q_HEADS,
+    P, Bias, stride_pt, stride_ps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
-    STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     t = tl.program_id(0).to(tl.int64)
@@ -230,14 +247,22 @@ def _rotary_kernel(
     cos = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     p1 = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     dt = X.dtype.element_ty  # every product is its own rounded tensor in torch
+    if SPLIT > 1:  # x not written yet: the qkv GEMM's partials (heads at h · head_dim in a row)
+        cols = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        zeros = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        x1 = _split_sum(P, Bias, t * stride_pt + cols, cols, stride_ps, mask, zeros, SPLIT,
+                        HAS_BIAS, dt, COMPILED)
+        x2 = _split_sum(P, Bias, t * stride_pt + cols + HALF, cols + HALF, stride_ps, mask, zeros,
+                        SPLIT, HAS_BIAS, dt, COMPILED)
+    else:
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     o1 = _round(_round(x1 * cos, dt, COMPILED) - _round(x2 * sin, dt, COMPILED), dt, COMPILED)
     o2 = _round(_round(x2 * cos, dt, COMPILED) + _round(x1 * sin, dt, COMPILED), dt, COMPILED)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
-    if STORE_KV:  # the rotated key heads and the token's values into its KV slot
+    if STORE_KV:  # the rotated key heads into the token's KV slot
         slot = tl.load(Loc + t).to(tl.int64)
         kv_head = offs_h - Q_HEADS
         k_mask = mask & (kv_head >= 0)[:, None]
@@ -245,11 +270,19 @@ def _rotary_kernel(
         kdt = KBuf.dtype.element_ty
         tl.store(kb, o1.to(kdt), mask=k_mask)
         tl.store(kb + HALF, o2.to(kdt), mask=k_mask)
-        if tl.program_id(1) == 0:
-            offs_v = tl.arange(0, BLOCK_KV)
-            v_mask = offs_v < KV_ROW
+    if (STORE_KV or SPLIT > 1) and tl.program_id(1) == 0:  # the token's values, once
+        offs_v = tl.arange(0, BLOCK_KV)
+        v_mask = offs_v < KV_ROW
+        if SPLIT > 1:  # summed from the partials (after the H heads) and written to V
+            v_cols = H * (2 * HALF) + offs_v
+            v = _split_sum(P, Bias, t * stride_pt + v_cols, v_cols, stride_ps, v_mask,
+                           tl.zeros([BLOCK_KV], dtype=tl.float32), SPLIT, HAS_BIAS, dt, COMPILED)
+            tl.store(V + t * stride_vt + offs_v, v, mask=v_mask)
+        else:
             v = tl.load(V + t * stride_vt + offs_v, mask=v_mask)
-            tl.store(VBuf + slot * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
+        if STORE_KV:
+            slot_v = tl.load(Loc + t).to(tl.int64)
+            tl.store(VBuf + slot_v * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
 
 
 class KVStore(NamedTuple):
@@ -262,12 +295,22 @@ class KVStore(NamedTuple):
     v_buffer: torch.Tensor
 
 
+class RotarySource(NamedTuple):
+    """x's values (and those of the values view `v` that follows its heads in the same rows) are
+    not written yet: they are `split`'s sums (the qkv GEMM's split-K partials, + its bias), which
+    the rotary kernel computes, rotates and writes. x and v are views of one [T, N] output."""
+    split: SplitSum
+    v: torch.Tensor
+
+
 def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv: Optional[KVStore] = None) -> torch.Tensor:
+                         kv: Optional[KVStore] = None,
+                         source: Optional[RotarySource] = None) -> torch.Tensor:
     """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
     fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x. With `kv`, the same launch
     stores the rotated keys (x's last kv heads) and the values into the KV cache, as
-    `TokenToKVPool.set_kv` would: one kernel a layer fewer."""
+    `TokenToKVPool.set_kv` would: one kernel a layer fewer. With `source`, x (and source.v) are
+    first computed from split-K partials, as the GEMM's reduce kernel would have."""
     if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
         raise ValueError(f"expected [T, heads, even head_dim] contiguous in head_dim, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -278,22 +321,49 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              f"{x.dtype}")
     if kv is not None:
         _check_kv_store(x, kv)
+    if source is not None:
+        _check_source(x, source)
     if x.numel() == 0:
         return x
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_d))
+    v = source.v if source is not None else (kv.v if kv is not None else None)
     if kv is not None:
-        kv_row = kv.v.shape[1] * kv.v.shape[2]
-        store = (kv.v, kv.loc, kv.k_buffer, kv.v_buffer, kv.v.stride(0), kv.k_buffer.stride(0),
-                 kv.v_buffer.stride(0), heads - kv.v.shape[1])
+        store = (v, kv.loc, kv.k_buffer, kv.v_buffer, v.stride(0), kv.k_buffer.stride(0),
+                 kv.v_buffer.stride(0), heads - v.shape[1])
+    elif v is not None:
+        store = (v, x, x, x, v.stride(0), 0, 0, heads)
     else:
-        kv_row, store = 1, (x, x, x, x, 0, 0, 0, heads)
+        store = (x, x, x, x, 0, 0, 0, heads)
+    kv_row = v.shape[1] * v.shape[2] if v is not None else 1
+    if source is not None:
+        sp = source.split
+        split = (sp.partials, sp.bias if sp.bias is not None else sp.partials,
+                 sp.partials.stride(1), sp.partials.stride(0))
+    else:
+        split = (x, x, 0, 0)
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, *store,
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED, STORE_KV=kv is not None,
-        KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
+        *split, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
+        STORE_KV=kv is not None, KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
+        SPLIT=source.split.splits if source is not None else 1,
+        HAS_BIAS=source is not None and source.split.bias is not None,
         num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
+
+
+def _check_source(x: torch.Tensor, source: RotarySource) -> None:
+    """x [T, H, D] and source.v [T, kv_heads, D] are the leading and trailing columns of one
+    [T, H·D + kv_heads·D] output whose partials source.split holds."""
+    sp, v = source.split, source.v
+    t, heads, dim = x.shape
+    width = (heads + v.shape[1]) * dim if v.dim() == 3 else -1
+    if (sp.shape != (t, width) or sp.dtype != x.dtype or v.shape[0] != t or v.shape[2] != dim
+            or v.dtype != x.dtype or x.stride(1) != dim or v.stride(1) != dim
+            or v.stride(2) != 1 or v.data_ptr() != x.data_ptr() + heads * dim * x.element_size()):
+        raise ValueError(f"source partials {tuple(sp.shape)} {sp.dtype} and v {tuple(v.shape)} "
+                         f"do not fit x {tuple(x.shape)} {x.dtype} (one qkv output: x's heads, "
+                         f"then v's)")
 
 
 def _check_kv_store(x: torch.Tensor, kv: KVStore) -> None:
@@ -318,4 +388,4 @@ def _is_compiled(kernel) -> bool:
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
 __all__ = ["fused_add_rms_norm", "split_add_rms_norm", "rms_norm", "silu_and_mul",
-           "apply_rotary_inplace", "KVStore", "MAX_HIDDEN"]
+           "apply_rotary_inplace", "KVStore", "RotarySource", "MAX_HIDDEN"]

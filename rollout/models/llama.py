@@ -37,8 +37,13 @@ class DecoderAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
         n, d = x.shape[0], self.attn.head_dim
-        qk, v = self.qkv_proj(x).split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
-                                         self.qkv_proj.kv_size], dim=-1)
+        # split-K partials of qkv are summed by the rotary kernel (no q/k norm in between)
+        qkv = self.qkv_proj(x, defer_split=self.q_norm is None)
+        split = qkv if isinstance(qkv, SplitSum) else None
+        if split is not None:  # the rotary kernel writes it
+            qkv = torch.empty(split.shape, dtype=split.dtype, device=x.device)
+        qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
+                           self.qkv_proj.kv_size], dim=-1)
         qk, v = qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
         kv_stored = False
         if qk.is_cuda:  # fused Triton kernels, in place on the fresh qkv_proj output
@@ -50,7 +55,8 @@ class DecoderAttention(nn.Module):
             # rotary and the KV cache write in one kernel where the pool allows it
             target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
             triton_ops.apply_rotary_inplace(
-                qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None)
+                qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
+                source=triton_ops.RotarySource(split, v) if split is not None else None)
             kv_stored = target is not None
         else:
             if self.q_norm is not None:
