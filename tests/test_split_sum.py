@@ -159,7 +159,8 @@ def test_rotary_source_must_be_the_qkv_output():
     split = SplitSum(partials, torch.float32, lambda s: None)
     other_v = torch.empty_like(v)
     with pytest.raises(ValueError, match="one qkv output"):
-        triton_ops.apply_rotary_inplace(qk, cos, sin, source=triton_ops.RotarySource(split, other_v))
+        triton_ops.apply_rotary_inplace(qk, cos, sin,
+                                        source=triton_ops.RotarySource(split, other_v))
     short = SplitSum(partials[:, :, :-64].contiguous(), torch.float32, lambda s: None)
     with pytest.raises(ValueError, match="one qkv output"):
         triton_ops.apply_rotary_inplace(qk, cos, sin, source=triton_ops.RotarySource(short, v))
@@ -230,9 +231,9 @@ def test_gpu_model_logits_equal_with_and_without_the_deferred_sum(tmp_path, monk
                                                                   qkv_split, graph):
     """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers) at the batches where
     the table splits down's K (and o's; qkv's where the table or `qkv_split` > 1 splits it, its
-    partials and bias summed by the rotary kernel): its decode logits, eager and from the decode CUDA graph, are
-    bit for bit those of the same model whose GEMMs sum their partials themselves
-    (ROLLOUT_DEFER_SPLIT_K=0)."""
+    partials and bias summed by the rotary kernel): its decode logits, eager and from the decode
+    CUDA graph, are bit for bit those of the same model whose GEMMs sum their partials
+    themselves (ROLLOUT_DEFER_SPLIT_K=0)."""
     assert triton_gemv._config(rows, 1536, 8960).split_k > 1  # else this tests nothing
     if qkv_split > 1:
         key = (rows, 2048, 1536, False)

@@ -26,7 +26,8 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # lists as faster than cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 # A skinny GEMM split along K may hand its fp32 partials to a reader that sums them itself (the
-# residual add + RMSNorm after down: `defer_split`), saving the reduce kernel.
+# residual add + RMSNorm after down and o, the rotary kernel after qkv: `defer_split`), saving
+# the reduce kernel.
 # ROLLOUT_DEFER_SPLIT_K=0: always reduce in the GEMM.
 DEFER_SPLIT_K = os.environ.get("ROLLOUT_DEFER_SPLIT_K", "1") != "0"
 SKINNY_MAX_ROWS = 1

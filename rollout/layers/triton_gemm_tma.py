@@ -14,11 +14,12 @@ L2 before it waits for the kernel before it (Hopper's bulk prefetch; a hint, the
 weights are no earlier kernel's output, so they stream while that kernel finishes, as the
 one-row kernels' preloads do (the table's 128-row entries; at 32-64 rows it measured slower).
 
-Two options of the launch config: `split_k` (down's K = 8,960 over 5-7 programs a tile, fp32
-partials summed in split order: deterministic; by triton_gemv's reduce kernel, or in the engine
-by the residual add + RMSNorm after down (SplitSum); at 32-64 rows 10.5 µs vs cuBLAS 11.5, and
-at 128 rows, swapped, down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) and `swap_ab` (out^T = W x^T: the weight tile fills wgmma's 64-row
-side and x's rows the narrow one; gate/up at 128 rows 22.0 µs vs 22.8).
+Two options of the launch config: `split_k` (down's K = 8,960 over 5-7 programs a tile, and
+o's and qkv's 1,536 over 2-4 at decode batches; fp32 partials summed in split order,
+deterministic: by triton_gemv's reduce kernel, or in the engine by the kernel that reads the
+output (SplitSum); down at 32-64 rows 10.5 µs vs cuBLAS 11.5, at 128 rows, swapped, down +
+add-norm 12.85 µs vs cuBLAS + add-norm 13.53) and `swap_ab` (out^T = W x^T: the weight tile
+fills wgmma's 64-row side and x's rows the narrow one; gate/up at 128 rows 22.0 µs vs 22.8).
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA
 triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
 cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows and o at 17-128 rows
 split along K, their partials summed by the add + norm that reads them, qkv at 17-32 rows by the
-rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
-triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
-TRITON_INTERPRET=1 first.
+rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and
+everywhere off CUDA); like triton_ops this module is imported lazily on first GPU use, so a CPU
+test can turn on TRITON_INTERPRET=1 first.
 
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
@@ -26,8 +26,9 @@ Two main kernels, picked by the launch config (`Config.dot`):
     batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`), M blocks innermost.
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
 and a second kernel sums them in a fixed order: deterministic, no atomics. With `defer_split`
-the partials go back to the caller as a SplitSum instead, for the next kernel to sum (down's
-reader, the residual add + RMSNorm: one kernel a layer fewer, the same bits).
+the partials (and the bias) go back to the caller as a SplitSum instead, for the next kernel to
+sum (the residual add + RMSNorm after down and o, the rotary kernel after qkv: no reduce kernel,
+the same bits).
 `skinny_gate_up_silu` is the same GEMM on the fused [gate | up] weight where each program loads
 matching gate and up row blocks and writes silu(gate) * up: the [M, 2·I] intermediate is never
 written.
@@ -286,7 +287,8 @@ _COMPILED = _is_compiled(_gemv_fma_kernel)  # False under TRITON_INTERPRET=1
 # Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
-# to 128 (o split along K), for down 32 to 128, all with TMA: `bash benchmarks/gpu_suite.sh gemm-tma tma10`);
+# to 128 (split along K: o at 32-128, qkv at 32), for down 32 to 128, all with TMA:
+# `bash benchmarks/gpu_suite.sh gemm-tma tma10`, thirteenth session `split-norm`);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
