@@ -32,12 +32,7 @@ def ordered_sum(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def as_split_sum(partials: torch.Tensor, dtype: torch.dtype) -> SplitSum:
-    out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
-
-    def reduce(s):
-        triton_gemv.reduce_split(s.partials, None, out, False, s.splits)
-        return out
-    return SplitSum(partials, dtype, reduce)
+    return SplitSum(partials, torch.empty(partials.shape[1:], dtype=dtype, device=partials.device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -132,19 +127,17 @@ def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, ro
     q_heads, kv_heads = heads
     partials, bias, cos, sin, loc = qkv_case(rows, q_heads, kv_heads, splits, dtype, with_bias,
                                              seed=rows)
-    split = SplitSum(partials, dtype, lambda s: None, bias)
     reduced = torch.empty(partials.shape[1:], dtype=dtype, device=DEV)
     triton_gemv.reduce_split(partials, bias, reduced, False, splits)
     results = []
-    for source in (None, split):
-        qkv = reduced.clone() if source is None else torch.full_like(reduced, float("nan"))
+    for deferred in (False, True):
+        qkv = torch.full_like(reduced, float("nan")) if deferred else reduced.clone()
+        source = SplitSum(partials, qkv, bias) if deferred else None
         qk, v = qkv_views(qkv, q_heads, kv_heads)
         kb = torch.zeros(48, kv_heads, 64, dtype=dtype, device=DEV)
         vb = torch.zeros_like(kb)
         kv = triton_ops.KVStore(v, loc, kb, vb) if store else None
-        triton_ops.apply_rotary_inplace(
-            qk, cos, sin, kv=kv,
-            source=triton_ops.RotarySource(source, v) if source is not None else None)
+        triton_ops.apply_rotary_inplace(qk, cos, sin, kv=kv, source=source)
         results.append((qkv, kb, vb))
     (ref, ref_kb, ref_vb), (out, kb, vb) = results
     assert torch.equal(out, ref) and torch.equal(kb, ref_kb) and torch.equal(vb, ref_vb)
@@ -155,23 +148,23 @@ def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, ro
 def test_rotary_source_must_be_the_qkv_output():
     partials, bias, cos, sin, _ = qkv_case(3, 4, 2, 2, torch.float32, False)
     qkv = torch.empty(partials.shape[1:], device=DEV)
-    qk, v = qkv_views(qkv, 4, 2)
-    split = SplitSum(partials, torch.float32, lambda s: None)
-    other_v = torch.empty_like(v)
-    with pytest.raises(ValueError, match="one qkv output"):
-        triton_ops.apply_rotary_inplace(qk, cos, sin,
-                                        source=triton_ops.RotarySource(split, other_v))
-    short = SplitSum(partials[:, :, :-64].contiguous(), torch.float32, lambda s: None)
-    with pytest.raises(ValueError, match="one qkv output"):
-        triton_ops.apply_rotary_inplace(qk, cos, sin, source=triton_ops.RotarySource(short, v))
+    qk, _ = qkv_views(qkv, 4, 2)
+    other = SplitSum(partials, torch.empty_like(qkv))  # another tensor's partials
+    with pytest.raises(ValueError, match="leading heads"):
+        triton_ops.apply_rotary_inplace(qk, cos, sin, source=other)
+    no_values = SplitSum(partials[:, :, :6 * 64].contiguous(), qkv[:, :6 * 64].contiguous())
+    with pytest.raises(ValueError, match="leading heads"):
+        triton_ops.apply_rotary_inplace(qk, cos, sin, source=no_values)
 
 
 def test_split_sum_refuses_bad_partials():
     with pytest.raises(ValueError, match="fp32"):
-        SplitSum(torch.zeros(2, 3, 4, dtype=torch.bfloat16), torch.bfloat16, lambda s: None)
+        SplitSum(torch.zeros(2, 3, 4, dtype=torch.bfloat16), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="S >= 2"):
-        SplitSum(torch.zeros(1, 3, 4), torch.float32, lambda s: None)
-    s = SplitSum(torch.zeros(2, 3, 64, device=DEV), torch.float32, lambda s: None)
+        SplitSum(torch.zeros(1, 3, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="out"):
+        SplitSum(torch.zeros(2, 3, 4), torch.zeros(3, 5))
+    s = SplitSum(torch.zeros(2, 3, 64, device=DEV), torch.zeros(3, 64, device=DEV))
     with pytest.raises(ValueError, match="one dtype"):
         triton_ops.split_add_rms_norm(s, torch.zeros(3, 64, device=DEV, dtype=torch.bfloat16),
                                       torch.ones(64, device=DEV), EPS)
@@ -179,8 +172,8 @@ def test_split_sum_refuses_bad_partials():
         triton_ops.split_add_rms_norm(s, torch.zeros(4, 64, device=DEV),
                                       torch.ones(64, device=DEV), EPS)
     with pytest.raises(ValueError, match="bias"):
-        SplitSum(torch.zeros(2, 3, 64), torch.float32, lambda s: None, torch.zeros(63))
-    biased = SplitSum(torch.zeros(2, 3, 64, device=DEV), torch.float32, lambda s: None,
+        SplitSum(torch.zeros(2, 3, 64), torch.zeros(3, 64), torch.zeros(63))
+    biased = SplitSum(torch.zeros(2, 3, 64, device=DEV), torch.zeros(3, 64, device=DEV),
                       torch.zeros(64, device=DEV))
     with pytest.raises(ValueError, match="sum them first"):
         triton_ops.split_add_rms_norm(biased, torch.zeros(3, 64, device=DEV),

@@ -11,19 +11,19 @@ kernel's, in split order, rounded once to the output dtype, so the result is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 
 @dataclass(frozen=True)
 class SplitSum:
-    """fp32 partials [S, M, N] whose sum in split order (+ `bias`, in fp32), rounded to `dtype`,
-    is an [M, N] GEMM output; `reduce` computes that tensor for a reader that cannot take the
-    partials."""
+    """fp32 partials [S, M, N] whose sum in split order (+ `bias`, in fp32), rounded to `out`'s
+    dtype, is an [M, N] GEMM output; `out` is the GEMM's output tensor, not written yet: the
+    reader that sums the partials may write it (the rotary kernel does), and `tensor()` sums
+    them into it for a reader that cannot take the partials."""
     partials: torch.Tensor
-    dtype: torch.dtype
-    reduce: Callable[["SplitSum"], torch.Tensor]
+    out: torch.Tensor
     bias: Optional[torch.Tensor] = None  # [N], added to the sum before the rounding
 
     def __post_init__(self):
@@ -31,6 +31,9 @@ class SplitSum:
         if p.dim() != 3 or p.dtype != torch.float32 or not p.is_contiguous() or p.shape[0] < 2:
             raise ValueError(f"partials must be contiguous fp32 [S >= 2, M, N], got "
                              f"{tuple(p.shape)} {p.dtype}")
+        if self.out.shape != p.shape[1:] or not self.out.is_contiguous():
+            raise ValueError(f"out {tuple(self.out.shape)} is not a contiguous "
+                             f"{tuple(p.shape[1:])} tensor")
         if self.bias is not None and (self.bias.shape != (p.shape[2],)
                                       or not self.bias.is_contiguous()):
             raise ValueError(f"bias {tuple(self.bias.shape)} does not fit partials "
@@ -38,11 +41,18 @@ class SplitSum:
 
     @property
     def shape(self) -> torch.Size:
-        return self.partials.shape[1:]
+        return self.out.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
 
     @property
     def splits(self) -> int:
         return self.partials.shape[0]
 
     def tensor(self) -> torch.Tensor:
-        return self.reduce(self)
+        """`out`, the partials summed into it by triton_gemv's reduce kernel."""
+        from rollout.layers import triton_gemv  # lazily: a SplitSum only comes from there
+        triton_gemv.reduce_split(self.partials, self.bias, self.out, False, self.splits)
+        return self.out

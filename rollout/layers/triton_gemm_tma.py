@@ -50,7 +50,8 @@ def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.c
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, size + 0 * rows, valid], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r,r", [addr, size + 0 * rows, valid],  # the size as a tensor of the rows' shape
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])

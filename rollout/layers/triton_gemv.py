@@ -511,13 +511,8 @@ def finish_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torc
     if split == 1:
         return out
     if defer and not gated:
-        return SplitSum(partials, out.dtype, lambda s: _reduced(s, out), bias)
+        return SplitSum(partials, out, bias)
     reduce_split(partials, bias, out, gated, split)
-    return out
-
-
-def _reduced(s: SplitSum, out: torch.Tensor) -> torch.Tensor:
-    reduce_split(s.partials, s.bias, out, False, s.splits)
     return out
 
 

@@ -7,7 +7,7 @@ RMSNorm; `split_add_rms_norm` when the added GEMM output is still split-K partia
 sums first), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
 and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
 values into the KV cache in the same launch, and optionally computing qkv first from its GEMM's
-split-K partials: `RotarySource`). The CPU path stays plain torch (the
+split-K partials, a SplitSum). The CPU path stays plain torch (the
 HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
 and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
 are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
@@ -295,22 +295,16 @@ class KVStore(NamedTuple):
     v_buffer: torch.Tensor
 
 
-class RotarySource(NamedTuple):
-    """x's values (and those of the values view `v` that follows its heads in the same rows) are
-    not written yet: they are `split`'s sums (the qkv GEMM's split-K partials, + its bias), which
-    the rotary kernel computes, rotates and writes. x and v are views of one [T, N] output."""
-    split: SplitSum
-    v: torch.Tensor
-
-
 def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv: Optional[KVStore] = None,
-                         source: Optional[RotarySource] = None) -> torch.Tensor:
+                         source: Optional[SplitSum] = None) -> torch.Tensor:
     """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
     fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x. With `kv`, the same launch
     stores the rotated keys (x's last kv heads) and the values into the KV cache, as
-    `TokenToKVPool.set_kv` would: one kernel a layer fewer. With `source`, x (and source.v) are
-    first computed from split-K partials, as the GEMM's reduce kernel would have."""
+    `TokenToKVPool.set_kv` would: one kernel a layer fewer. With `source` (the qkv GEMM's
+    split-K partials, + bias), x is not written yet: it is the leading heads of `source.out`,
+    whose every column (x's, then the values') the kernel first sums as the GEMM's reduce kernel
+    would have."""
     if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
         raise ValueError(f"expected [T, heads, even head_dim] contiguous in head_dim, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -321,13 +315,11 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              f"{x.dtype}")
     if kv is not None:
         _check_kv_store(x, kv)
-    if source is not None:
-        _check_source(x, source)
+    v = _source_values(x, source) if source is not None else (kv.v if kv is not None else None)
     if x.numel() == 0:
         return x
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_d))
-    v = source.v if source is not None else (kv.v if kv is not None else None)
     if kv is not None:
         store = (v, kv.loc, kv.k_buffer, kv.v_buffer, v.stride(0), kv.k_buffer.stride(0),
                  kv.v_buffer.stride(0), heads - v.shape[1])
@@ -337,33 +329,32 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         store = (x, x, x, x, 0, 0, 0, heads)
     kv_row = v.shape[1] * v.shape[2] if v is not None else 1
     if source is not None:
-        sp = source.split
-        split = (sp.partials, sp.bias if sp.bias is not None else sp.partials,
-                 sp.partials.stride(1), sp.partials.stride(0))
+        split = (source.partials, source.bias if source.bias is not None else source.partials,
+                 source.partials.stride(1), source.partials.stride(0))
     else:
         split = (x, x, 0, 0)
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, *store,
         *split, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
         STORE_KV=kv is not None, KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
-        SPLIT=source.split.splits if source is not None else 1,
-        HAS_BIAS=source is not None and source.split.bias is not None,
+        SPLIT=source.splits if source is not None else 1,
+        HAS_BIAS=source is not None and source.bias is not None,
         num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
 
 
-def _check_source(x: torch.Tensor, source: RotarySource) -> None:
-    """x [T, H, D] and source.v [T, kv_heads, D] are the leading and trailing columns of one
-    [T, H·D + kv_heads·D] output whose partials source.split holds."""
-    sp, v = source.split, source.v
+def _source_values(x: torch.Tensor, source: SplitSum) -> torch.Tensor:
+    """The values view [T, kv_heads, D] of `source.out` [T, (H + kv_heads) · D], whose leading
+    heads x [T, H, D] must be (the qkv output the rotary kernel writes from the partials)."""
+    out = source.out
     t, heads, dim = x.shape
-    width = (heads + v.shape[1]) * dim if v.dim() == 3 else -1
-    if (sp.shape != (t, width) or sp.dtype != x.dtype or v.shape[0] != t or v.shape[2] != dim
-            or v.dtype != x.dtype or x.stride(1) != dim or v.stride(1) != dim
-            or v.stride(2) != 1 or v.data_ptr() != x.data_ptr() + heads * dim * x.element_size()):
-        raise ValueError(f"source partials {tuple(sp.shape)} {sp.dtype} and v {tuple(v.shape)} "
-                         f"do not fit x {tuple(x.shape)} {x.dtype} (one qkv output: x's heads, "
-                         f"then v's)")
+    kv_cols = out.shape[1] - heads * dim if out.dim() == 2 else 0
+    if (out.dim() != 2 or out.shape[0] != t or kv_cols <= 0 or kv_cols % dim
+            or source.dtype != x.dtype or x.data_ptr() != out.data_ptr()
+            or (t > 1 and x.stride(0) != out.stride(0)) or x.stride(1) != dim):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} is not the leading heads of the source's "
+                         f"qkv output {tuple(out.shape)} {source.dtype}")
+    return out[:, heads * dim:].view(t, kv_cols // dim, dim)
 
 
 def _check_kv_store(x: torch.Tensor, kv: KVStore) -> None:
@@ -388,4 +379,4 @@ def _is_compiled(kernel) -> bool:
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
 __all__ = ["fused_add_rms_norm", "split_add_rms_norm", "rms_norm", "silu_and_mul",
-           "apply_rotary_inplace", "KVStore", "RotarySource", "MAX_HIDDEN"]
+           "apply_rotary_inplace", "KVStore", "MAX_HIDDEN"]

@@ -40,8 +40,8 @@ class DecoderAttention(nn.Module):
         # split-K partials of qkv are summed by the rotary kernel (no q/k norm in between)
         qkv = self.qkv_proj(x, defer_split=self.q_norm is None)
         split = qkv if isinstance(qkv, SplitSum) else None
-        if split is not None:  # the rotary kernel writes it
-            qkv = torch.empty(split.shape, dtype=split.dtype, device=x.device)
+        if split is not None:  # its output, which the rotary kernel writes
+            qkv = split.out
         qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
                            self.qkv_proj.kv_size], dim=-1)
         qk, v = qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
@@ -56,7 +56,7 @@ class DecoderAttention(nn.Module):
             target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
             triton_ops.apply_rotary_inplace(
                 qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
-                source=triton_ops.RotarySource(split, v) if split is not None else None)
+                source=split)
             kv_stored = target is not None
         else:
             if self.q_norm is not None:
