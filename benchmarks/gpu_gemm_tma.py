@@ -24,8 +24,7 @@ from benchmarks.gpu_gemv import (SHAPES, rel_err, start_sweep, sweep_parser, tim
                                  weight_copies, write_winners)
 
 
-KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab",
-        "persistent")
+KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
 
 
 def candidates(M: int, name: str = "") -> list[dict]:
@@ -83,27 +82,6 @@ def narrow(M: int, name: str) -> list[dict]:
     return _dicts(first)
 
 
-def persistent(M: int, name: str) -> list[dict]:
-    """The persistent kernel (programs an SM looping over tiles, one pipeline across them) for
-    the fused gate/up at decode batches: the table's 64 x 64 swapped tiles (280 at 128 rows, 16
-    SMs running a third), and smaller tiles whose count spreads evenly (560-1,120) now that a
-    tile no longer restarts the pipeline."""
-    if name != "gate_up":
-        return []
-    bm = min(M, 64)
-    configs = []
-    for p in (1, 2):
-        configs += [(bm, 64, 64, 4, s, 1, True, p) for s in (3, 4)]
-        configs += [(max(16, bm // 2), 64, 64, 4, s, 1, True, p) for s in (4, 6)]
-        configs += [(max(16, bm // 2), 64, 128, 4, 3, 1, True, p)]
-        configs += [(64, 32, 64, 4, s, 1, False, p) for s in (4, 6)]
-        configs += [(64, 32, 128, 4, 4, 1, False, p), (64, 16, 128, 4, 4, 1, False, p)]
-        if M >= 128:
-            configs += [(128, 32, 64, 8, 3, 1, False, p), (128, 16, 128, 4, 4, 1, False, p)]
-    configs += [(128, 64, 64, 8, 3, 1, True, 1)] if M >= 128 else []
-    return _dicts(configs)
-
-
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -126,14 +104,13 @@ def _one_row(name: str) -> list[tuple]:
 def _dicts(configs: list[tuple]) -> list[dict]:
     seen, out = set(), []
     for c in configs:
-        c = tuple(c) + (0,) * (len(KEYS) - len(c))  # persistent: 0 unless given
         if c not in seen:
             seen.add(c)
             out.append(dict(zip(KEYS, c)))
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float, sweep: str = "all") -> dict:
+def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -146,8 +123,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, sweep: str = "a
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
             c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"],
-                         persistent=cfg["persistent"])
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
             if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
                 from rollout.layers import triton_gemm_tma as t
                 width = N // 2 if gated else N
@@ -175,8 +151,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, sweep: str = "a
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    sweeps = {"all": candidates, "narrow": narrow, "persistent": persistent}
-    for c in sweeps[sweep](M, name):
+    for c in (narrow(M, name) if narrow_only else candidates(M, name)):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -205,18 +180,16 @@ def main() -> None:
     p = sweep_parser(__doc__.splitlines()[0], case_budget_s=25.0)
     p.add_argument("--shapes", nargs="*", default=["gate_up", "down", "qkv", "o"])
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
-    p.add_argument("--sweep", default="all", choices=["all", "narrow", "persistent"],
-                   help="all configs; only the narrow-tile ones of qkv / o; only the persistent "
-                        "kernel's (gate/up)")
+    p.add_argument("--narrow", action="store_true",
+                   help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
     args = p.parse_args()
     result, copy_bw = start_sweep()
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
-          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap, "
-          "persistent)")
+          f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:
         for name in args.shapes:
             try:
-                row = run_case(name, M, copy_bw, args.case_budget_s, args.sweep)
+                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

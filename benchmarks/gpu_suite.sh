@@ -212,7 +212,7 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab12.json" ;;
     # qkv and o at decode batches: narrow weight tiles (16 rows) or K split in 2, alone; then the
     # engine with the winners (the sweep's configs file) against the table
-    tma-narrow) run tma_narrow 200 python3 benchmarks/gpu_gemm_tma.py --sweep narrow --case-budget-s 25 \
+    tma-narrow) run tma_narrow 200 python3 benchmarks/gpu_gemm_tma.py --narrow --case-budget-s 25 \
               --rows 128 64 32 --shapes qkv o --out "$OUT/tma_narrow.json" --configs-out "$OUT/tma_narrow_configs.json"
               cat "$OUT/tma_narrow_configs.json" ;;
     ab12b) run ab12b 280 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twelfth_session_b.json \
@@ -238,16 +238,6 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 100 --out "$OUT/ab13f.json" ;;
     ab13) run ab13 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab13.json" ;;
-    # fourteenth session: the persistent TMA kernel (one pipeline across a program's tiles) for
-    # the fused gate/up: its GPU spec, its configs alone against the table, the engine A/B
-    pers-test) run pers_test 200 python3 -m pytest -q -m gpu tests/test_triton_gemv.py \
-              -k "persistent or tma" -p no:cacheprovider ;;
-    tma-persistent) run tma_persistent 330 python3 benchmarks/gpu_gemm_tma.py --sweep persistent \
-              --case-budget-s 90 --rows ${PERS_ROWS:-128 64 32} --shapes gate_up --out "$OUT/tma_persistent.json" \
-              --configs-out "$OUT/tma_persistent_configs.json"
-              cat "$OUT/tma_persistent_configs.json" ;;
-    ab14) run ab14 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session.json \
-              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-64 128} --timeout-s 120 --out "$OUT/ab14.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -57,11 +57,6 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     "tma_swap": Config(16, 32, dot=True, block_m=16, tma=True, swap_ab=True),
     "tma_swap_split": Config(32, 16, 2, dot=True, num_stages=4, block_m=16, tma=True,
                              swap_ab=True),
-    # persistent: fewer programs than tiles (the interpreter assumes 3 SMs), each looping over
-    # several tiles, plain and swapped
-    "tma_persistent": Config(16, 16, dot=True, block_m=16, tma=True, persistent=1),
-    "tma_persistent_swap": Config(16, 32, dot=True, block_m=16, tma=True, swap_ab=True,
-                                  persistent=2),
 }
 SHAPES = [(24, 64), (40, 48), (72, 96)]  # (N, K): 24/40/72 rows against blocks of 8/16, K 48/96
 
@@ -95,16 +90,14 @@ def test_skinny_gate_up_silu_fp32(config, shape):
 
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("kernel", ["dot", "tma", "tma_swap", "tma_persistent"])
+@pytest.mark.parametrize("kernel", ["dot", "tma", "tma_swap"])
 def test_decode_batches_tile_m_fp32(block_m, split_k, kernel):
     """Above 16 rows (decode batches) the dot kernels also tile M (ragged last tile), with and
     without split-K, for the plain GEMM (with bias) and the fused gate/up + SiLU."""
     inter, k = 24, 48
     w, b = rand(2 * inter, k, seed=7), rand(2 * inter, seed=8)
-    if kernel == "tma_persistent" and split_k > 1:
-        pytest.skip("a persistent config does not split K (refused: test_bad_inputs_are_refused)")
     cfg = Config(16, 16, split_k, dot=True, block_m=block_m, tma=kernel != "dot",
-                 swap_ab=kernel == "tma_swap", persistent=int(kernel == "tma_persistent"))
+                 swap_ab=kernel == "tma_swap")
     for m in (17, 40):
         x = rand(m, k, seed=m)
         out = skinny_gate_up_silu(x, w, inter, config=cfg)
@@ -140,8 +133,6 @@ def test_bad_inputs_are_refused():
         skinny_linear(rand(triton_gemv.BATCH_MAX_M + 1, 48), w)
     with pytest.raises(ValueError, match="16-byte aligned"):  # TMA: rows 28 bytes apart
         skinny_linear(rand(4, 7)[:, 1:], rand(8, 6), config=Config(16, 16, dot=True, tma=True))
-    with pytest.raises(ValueError, match="persistent"):
-        skinny_linear(rand(20, 48), w, config=Config(16, 16, 2, dot=True, tma=True, persistent=1))
     with pytest.raises(ValueError, match="one dtype"):
         skinny_linear(rand(2, 32), w)
     with pytest.raises(ValueError, match="bias"):
@@ -325,29 +316,6 @@ def test_gpu_tma_l2_prefetch_changes_no_bit(prefetch_k):
             graph.replay()
             assert torch.equal(out, ref), (name, m)
 
-
-@gpu
-@pytest.mark.parametrize("persistent", [1, 2])
-def test_gpu_tma_persistent_equals_one_program_a_tile(persistent):
-    """The persistent TMA kernel (programs an SM looping over tiles) sums every tile as the
-    one-program-a-tile kernel does: the fused gate/up at 64 and 128 rows (the table's tiles, and
-    smaller ones, plain and swapped) gives the same bits, eager and in a CUDA graph."""
-    n, k = 17920, 1536
-    w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
-    for m in (64, 100, 128):
-        x = rand(m, k, dtype=torch.bfloat16, seed=m)
-        for cfg in (triton_gemv._config(m, n, k, True),
-                    Config(64, 64, dot=True, block_m=32, tma=True, swap_ab=True),
-                    Config(32, 64, dot=True, block_m=64, tma=True, num_stages=4)):
-            ref = skinny_gate_up_silu(x, w, n // 2, config=cfg)
-            pers = cfg._replace(persistent=persistent)
-            assert torch.equal(skinny_gate_up_silu(x, w, n // 2, config=pers), ref), (m, cfg)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = skinny_gate_up_silu(x, w, n // 2, config=pers)
-            graph.replay()
-            assert torch.equal(out, ref), (m, cfg)
-        assert rel_err(ref, ref_gate_up_silu(x, w, n // 2)) <= 1e-2
 
 def test_tma_entries_need_a_gpu_with_tma(monkeypatch):
     """The table's TMA entries were measured on an H200: a GPU older than compute capability 9.0

@@ -23,7 +23,6 @@ fills wgmma's 64-row side and x's rows the narrow one; gate/up at 128 rows 22.0 
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Union
 
 import torch
@@ -55,38 +54,6 @@ def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.c
         dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def _tile_sums(x_desc, w_desc, N, off_m, off_n, k_start, k_end, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-               GATED: tl.constexpr, PREC: tl.constexpr):
-    """The fp32 sums of one [BLOCK_M, BLOCK_N] output tile over K columns [k_start, k_end) (and
-    of its up half when gated, else zeros). Past M, N or K: TMA's zero fill."""
-    # SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few rows of x fill the
-    # narrow N side instead of padding the 64-row M side of Hopper's wgmma
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        x = x_desc.load([off_m, k])
-        w = w_desc.load([off_n, k])
-        if SWAP_AB:
-            acc = tl.dot(w, x.T, acc, input_precision=PREC)
-        else:
-            acc = tl.dot(x, w.T, acc, input_precision=PREC)
-        if GATED:  # the up half's rows start at N
-            w_up = w_desc.load([N + off_n, k])
-            if SWAP_AB:
-                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
-            else:
-                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
-    if SWAP_AB:
-        acc, acc_up = acc.T, acc_up.T
-    return acc, acc_up
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -108,54 +75,38 @@ def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
             _prefetch_l2(W, N + off_n, 2 * N, k_start, k_start + K_SPLIT, K, BLOCK_N,
                          PREFETCH_K)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    acc, acc_up = _tile_sums(x_desc, w_desc, N, off_m, off_n, k_start, k_start + K_SPLIT,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, PREC)
+    # SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few rows of x fill the
+    # narrow N side instead of padding the 64-row M side of Hopper's wgmma
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # past M, N (gate rows: up rows, unused) or K: zeros / unused; a split's range ends at the
+    # next split's start (K_SPLIT is a multiple of BLOCK_K)
+    for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
+        x = x_desc.load([off_m, k])
+        w = w_desc.load([off_n, k])
+        if SWAP_AB:
+            acc = tl.dot(w, x.T, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(x, w.T, acc, input_precision=PREC)
+        if GATED:  # the up half's rows start at N
+            w_up = w_desc.load([N + off_n, k])
+            if SWAP_AB:
+                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
+            else:
+                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
+    if SWAP_AB:
+        acc, acc_up = acc.T, acc_up.T
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm_tma_persistent_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, stride_ym, NUM_PROGRAMS,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                                COMPILED: tl.constexpr, PREC: tl.constexpr,
-                                PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """The same tiles and sums, NUM_PROGRAMS programs each taking every NUM_PROGRAMS-th tile:
-    the tile and K loops are flattened into one software pipeline, so the loads of a program's
-    next tile are in flight while it finishes this one (a grid of one program a tile restarts
-    its pipeline at every tile, and its last wave leaves SMs idle)."""
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    tiles = blocks_m * tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    if COMPILED and PREFETCH_K > 0 and pid % blocks_m == 0:  # the first tile's weight rows
-        off_n = (pid // blocks_m) * BLOCK_N
-        _prefetch_l2(W, off_n, N, 0, K, K, BLOCK_N, PREFETCH_K)
-        if GATED:
-            _prefetch_l2(W, N + off_n, 2 * N, 0, K, K, BLOCK_N, PREFETCH_K)
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    for tile in tl.range(pid, tiles, NUM_PROGRAMS, flatten=True):
-        off_m = (tile % blocks_m) * BLOCK_M  # M blocks innermost, as in _gemm_tma_kernel
-        off_n = (tile // blocks_m) * BLOCK_N
-        acc, acc_up = _tile_sums(x_desc, w_desc, N, off_m, off_n, 0, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, SWAP_AB, GATED, PREC)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, 0, HAS_BIAS, GATED,
-                  1, COMPILED)
-
-
 _COMPILED = _is_compiled(_gemm_tma_kernel)
-INTERPRETER_SMS = 3  # SMs a persistent grid assumes off the GPU (specs: several tiles a program)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
@@ -169,26 +120,17 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     size = x.element_size()
     if (x.stride(0) * size) % 16 or (K * size) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: x stride {x.stride(0)}, K {K}")
-    if cfg.persistent and cfg.split_k > 1:
-        raise ValueError(f"a persistent config does not split K: {cfg}")
     split, k_split = split_k_range(K, cfg)
     partials = split_partials(M, N, gated, split, out)
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
-                  COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  PREFETCH_K=cfg.prefetch_k, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, enable_fp_fusion=False, **launch_options())
-    bias_arg = bias if bias is not None else out
-    if cfg.persistent:
-        programs = min(tiles, cfg.persistent * _num_sms(x.device))
-        _gemm_tma_persistent_kernel[(programs,)](
-            x_desc, w_desc, weight, bias_arg, out, partials, M, N, K, out.stride(0), programs,
-            **common)
-    else:
-        _gemm_tma_kernel[(tiles, split)](
-            x_desc, w_desc, weight, bias_arg, out, partials, M, N, K, k_split, out.stride(0),
-            SPLIT=split, **common)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    _gemm_tma_kernel[grid](
+        x_desc, w_desc, weight, bias if bias is not None else out, out, partials, M, N, K, k_split,
+        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=split, SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
+        COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        PREFETCH_K=cfg.prefetch_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **launch_options())
     return finish_split(partials, bias, out, gated, split, defer_split)

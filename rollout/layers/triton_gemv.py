@@ -82,8 +82,6 @@ class Config(NamedTuple):
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
     prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
     # the PDL wait (0: none)
-    persistent: int = 0  # TMA kernel: programs an SM, each looping over tiles with one
-    # software pipeline across them (0: one program a tile)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
