@@ -21,13 +21,20 @@ import triton
 import triton.language as tl
 
 _enabled: Optional[bool] = None
+EARLY_TRIGGER: tl.constexpr = tl.constexpr(2)  # USE_PDL value: trigger the next kernel, then wait
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """Wait for the previous kernel of the stream (and its writes), then let the next one
-    launch. First thing a kernel does (see the module docstring)."""
-    if USE_PDL:
+    launch. First thing a kernel does (see the module docstring). USE_PDL == EARLY_TRIGGER: let
+    the next one launch first, then wait — still exact (the next kernel waits for this one's
+    completion, which follows this one's wait), and the kernels after a short one can be
+    resident and loading their weights several kernels ahead."""
+    if USE_PDL == EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -45,5 +52,6 @@ def launch_options() -> dict:
     """Keyword arguments for a kernel launch: the kernel's USE_PDL flag, and the launch attribute
     that lets it start before its predecessor ends."""
     if enabled():
-        return {"USE_PDL": True, "launch_pdl": True}
+        early = os.environ.get("ROLLOUT_PDL_EARLY_TRIGGER", "0") == "1"
+        return {"USE_PDL": 2 if early else True, "launch_pdl": True}
     return {"USE_PDL": False}

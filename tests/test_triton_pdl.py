@@ -30,10 +30,14 @@ def _chain(x, res, norm_w, weights, cos, sin):
 
 
 @gpu
-def test_pdl_chain_equals_the_plain_chain_eager_and_in_a_graph(monkeypatch):
+@pytest.mark.parametrize("early_trigger", [False, True])
+def test_pdl_chain_equals_the_plain_chain_eager_and_in_a_graph(monkeypatch, early_trigger):
+    """With the next kernel triggered after the wait, and (ROLLOUT_PDL_EARLY_TRIGGER=1) before it."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0")
     assert triton_pdl.enabled()
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1" if early_trigger else "0")
+    assert triton_pdl.launch_options()["USE_PDL"] == (2 if early_trigger else True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, res = torch.randn(1, 256, generator=gen, **bf), torch.randn(1, 256, generator=gen, **bf)
@@ -53,3 +57,22 @@ def test_pdl_chain_equals_the_plain_chain_eager_and_in_a_graph(monkeypatch):
     plain = _chain(x, res, norm_w, weights, cos, sin)
     for a, b, c in zip(with_pdl, graph_out, plain):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_gpu_model_logits_equal_with_the_early_trigger(tmp_path, monkeypatch, rows):
+    """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers): its decode logits from
+    the decode CUDA graph with every kernel triggering its successor before its PDL wait
+    (ROLLOUT_PDL_EARLY_TRIGGER=1) are bit for bit those with the trigger after the wait."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    from rollout.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.test_split_sum import decode_logits
+    spec = TinyModelSpec(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                         num_key_value_heads=2, dtype="bfloat16")
+    path = str(make_tiny_model(tmp_path / "m", spec))
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
+    after_wait = decode_logits(path, rows, graph=True)
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
+    assert torch.equal(decode_logits(path, rows, graph=True), after_wait)
