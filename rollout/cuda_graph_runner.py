@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from rollout import pdl_policy
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
 from rollout.graph_capture import capture_graph
 from rollout.prefill_graphs import PrefillGraphs
@@ -146,7 +147,8 @@ class CudaGraphRunner:
         # loads; at batch 128 the cast kernel wrote 78 MB a step inside the graph: 2.078 ->
         # 2.023 ms a replay without it)
         model = self.model_runner.model
-        return model.head_logits(model(fb.input_ids, fb.positions, fb), fb)
+        with pdl_policy.for_forward(fb):  # captured: the replays launch as the capture did
+            return model.head_logits(model(fb.input_ids, fb.positions, fb), fb)
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch of bs rows whose tensors are views of the static buffers."""

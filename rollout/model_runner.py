@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout import loader
+from rollout import loader, pdl_policy
 from rollout.attention import create_backend
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
@@ -139,8 +139,9 @@ class ModelRunner:
 
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        return self.model.compute_logits(hidden, fb)
+        with pdl_policy.for_forward(fb):
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            return self.model.compute_logits(hidden, fb)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, fb: ForwardBatch) -> SampleOutput:

@@ -10,7 +10,9 @@ completion stays ordered along the stream, so the rule holds transitively. Kerne
 libraries (torch, cuBLAS) launch as usual and order as usual.
 
 On by default where it applies (compiled kernels on a compute capability >= 9 GPU);
-ROLLOUT_PDL=0 turns it off."""
+ROLLOUT_PDL=0 turns it off.
+
+Where a kernel lets the next one launch (after its wait or before it): rollout/pdl_policy.py."""
 from __future__ import annotations
 
 import os
@@ -19,6 +21,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from rollout import pdl_policy
 
 _enabled: Optional[bool] = None
 EARLY_TRIGGER: tl.constexpr = tl.constexpr(2)  # USE_PDL value: trigger the next kernel, then wait
@@ -49,9 +53,10 @@ def enabled() -> bool:
 
 
 def launch_options() -> dict:
-    """Keyword arguments for a kernel launch: the kernel's USE_PDL flag, and the launch attribute
-    that lets it start before its predecessor ends."""
-    if enabled():
-        early = os.environ.get("ROLLOUT_PDL_EARLY_TRIGGER", "0") == "1"
-        return {"USE_PDL": 2 if early else True, "launch_pdl": True}
-    return {"USE_PDL": False}
+    """Keyword arguments for a kernel launch: the kernel's USE_PDL flag (EARLY_TRIGGER under the
+    early-trigger policy), and the launch attribute that lets it start before its predecessor
+    ends."""
+    if not enabled():
+        return {"USE_PDL": False}
+    early = pdl_policy.triggers_early()
+    return {"USE_PDL": EARLY_TRIGGER.value if early else True, "launch_pdl": True}

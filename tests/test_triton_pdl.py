@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout import triton_pdl  # noqa: E402
+from rollout import pdl_policy, triton_pdl  # noqa: E402
+from rollout.forward_batch import ForwardMode  # noqa: E402
 from tests.helpers import gpu  # noqa: E402
 
 
@@ -16,6 +17,40 @@ def test_off_without_a_hopper_gpu():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
         pytest.skip("a Hopper-or-newer GPU is present")
     assert not triton_pdl.enabled()
+    assert triton_pdl.launch_options() == {"USE_PDL": False}
+
+
+class _Batch:  # what pdl_policy.for_forward reads of a ForwardBatch
+    def __init__(self, mode, batch_size):
+        self.forward_mode, self.batch_size = mode, batch_size
+
+
+def test_early_trigger_policy(monkeypatch):
+    """"auto": early inside decode forwards of more than EARLY_TRIGGER_MIN_BATCH requests only
+    (and inside an explicit early_trigger()); "1" / "0" everywhere / nowhere; other values are
+    refused. launch_options turns it into the kernels' USE_PDL (when PDL is on)."""
+    monkeypatch.delenv("ROLLOUT_PDL_EARLY_TRIGGER", raising=False)
+    monkeypatch.setattr(triton_pdl, "_enabled", True)
+    small, large = pdl_policy.EARLY_TRIGGER_MIN_BATCH, pdl_policy.EARLY_TRIGGER_MIN_BATCH + 1
+    assert not pdl_policy.triggers_early()
+    for mode, bs, early in ((ForwardMode.DECODE, large, True), (ForwardMode.DECODE, small, False),
+                            (ForwardMode.DECODE, 1, False), (ForwardMode.EXTEND, large, False)):
+        with pdl_policy.for_forward(_Batch(mode, bs)):
+            assert pdl_policy.triggers_early() == early, (mode, bs)
+            assert triton_pdl.launch_options()["USE_PDL"] == (2 if early else True)
+            with pdl_policy.early_trigger(False):  # nested: restored on exit
+                assert not pdl_policy.triggers_early()
+            assert pdl_policy.triggers_early() == early
+        assert not pdl_policy.triggers_early()
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
+    assert pdl_policy.triggers_early()
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
+    with pdl_policy.early_trigger():
+        assert not pdl_policy.triggers_early()
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "yes")
+    with pytest.raises(ValueError, match="ROLLOUT_PDL_EARLY_TRIGGER"):
+        triton_pdl.launch_options()
+    monkeypatch.setattr(triton_pdl, "_enabled", False)
     assert triton_pdl.launch_options() == {"USE_PDL": False}
 
 
@@ -74,5 +109,6 @@ def test_gpu_model_logits_equal_with_the_early_trigger(tmp_path, monkeypatch, ro
     path = str(make_tiny_model(tmp_path / "m", spec))
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
     after_wait = decode_logits(path, rows, graph=True)
-    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
-    assert torch.equal(decode_logits(path, rows, graph=True), after_wait)
+    for mode in ("1", "auto"):  # every launch early; the engine's policy (early above 16 rows)
+        monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", mode)
+        assert torch.equal(decode_logits(path, rows, graph=True), after_wait), mode
