@@ -16,33 +16,40 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 EARLY_TRIGGER_MIN_BATCH = 16  # the one-row / FMA GEMVs' batches (triton_gemv.FMA_MAX_M) stay out
-_state = threading.local()  # .early: this thread's launches trigger early (mode "auto")
+_state = threading.local()  # .decode_batch: the decode forward this thread is in (None: none)
+MODES = ("auto", "0", "1", "light")
 
 
 @contextlib.contextmanager
-def early_trigger(on: bool = True) -> Iterator[None]:
-    """The Triton kernels this thread launches inside (or captures into a CUDA graph) trigger
-    their successor before their wait, when ROLLOUT_PDL_EARLY_TRIGGER is "auto"."""
-    before = getattr(_state, "early", False)
-    _state.early = on
+def decode_forward(batch_size: Optional[int]) -> Iterator[None]:
+    """The Triton kernels this thread launches inside (or captures into a CUDA graph) belong to
+    a decode forward of `batch_size` requests (None: not a decode forward)."""
+    before = getattr(_state, "decode_batch", None)
+    _state.decode_batch = batch_size
     try:
         yield
     finally:
-        _state.early = before
+        _state.decode_batch = before
 
 
 def for_forward(fb) -> contextlib.AbstractContextManager:
-    """The policy around a forward (a ForwardBatch; a decode graph's capture included): early in
-    decode batches above EARLY_TRIGGER_MIN_BATCH, after the wait otherwise (prefill too)."""
-    return early_trigger(fb.forward_mode.is_decode and fb.batch_size > EARLY_TRIGGER_MIN_BATCH)
+    """The policy's context around a forward (a ForwardBatch; a decode graph's capture too)."""
+    return decode_forward(fb.batch_size if fb.forward_mode.is_decode else None)
 
 
-def triggers_early() -> bool:
-    """Whether a launch now triggers its successor before its wait."""
+def triggers_early(preloads_weights: bool = False) -> bool:
+    """Whether a launch now triggers its successor before its wait. `preloads_weights`: the
+    kernel loads weights before its wait (the one-row FMA GEMVs; mode "light" keeps those
+    after the wait in every decode forward, the experiment's other policy)."""
     mode = os.environ.get("ROLLOUT_PDL_EARLY_TRIGGER", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"ROLLOUT_PDL_EARLY_TRIGGER={mode!r}: want auto, 0 or 1")
-    return mode == "1" or (mode == "auto" and getattr(_state, "early", False))
+    if mode not in MODES:
+        raise ValueError(f"ROLLOUT_PDL_EARLY_TRIGGER={mode!r}: want one of {MODES}")
+    batch = getattr(_state, "decode_batch", None)
+    if mode == "auto":
+        return batch is not None and batch > EARLY_TRIGGER_MIN_BATCH
+    if mode == "light":
+        return batch is not None and not preloads_weights
+    return mode == "1"

@@ -52,11 +52,11 @@ def enabled() -> bool:
     return _enabled
 
 
-def launch_options() -> dict:
+def launch_options(preloads_weights: bool = False) -> dict:
     """Keyword arguments for a kernel launch: the kernel's USE_PDL flag (EARLY_TRIGGER under the
-    early-trigger policy), and the launch attribute that lets it start before its predecessor
-    ends."""
+    early-trigger policy, pdl_policy), and the launch attribute that lets it start before its
+    predecessor ends. `preloads_weights`: the kernel loads weights before its wait."""
     if not enabled():
         return {"USE_PDL": False}
-    early = pdl_policy.triggers_early()
+    early = pdl_policy.triggers_early(preloads_weights)
     return {"USE_PDL": EARLY_TRIGGER.value if early else True, "launch_pdl": True}

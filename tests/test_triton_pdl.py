@@ -26,9 +26,9 @@ class _Batch:  # what pdl_policy.for_forward reads of a ForwardBatch
 
 
 def test_early_trigger_policy(monkeypatch):
-    """"auto": early inside decode forwards of more than EARLY_TRIGGER_MIN_BATCH requests only
-    (and inside an explicit early_trigger()); "1" / "0" everywhere / nowhere; other values are
-    refused. launch_options turns it into the kernels' USE_PDL (when PDL is on)."""
+    """"auto": early inside decode forwards of more than EARLY_TRIGGER_MIN_BATCH requests only;
+    "light": inside every decode forward but not for kernels that preload weights; "1" / "0"
+    everywhere / nowhere; other values are refused. launch_options turns it into the kernels' USE_PDL (when PDL is on)."""
     monkeypatch.delenv("ROLLOUT_PDL_EARLY_TRIGGER", raising=False)
     monkeypatch.setattr(triton_pdl, "_enabled", True)
     small, large = pdl_policy.EARLY_TRIGGER_MIN_BATCH, pdl_policy.EARLY_TRIGGER_MIN_BATCH + 1
@@ -38,15 +38,20 @@ def test_early_trigger_policy(monkeypatch):
         with pdl_policy.for_forward(_Batch(mode, bs)):
             assert pdl_policy.triggers_early() == early, (mode, bs)
             assert triton_pdl.launch_options()["USE_PDL"] == (2 if early else True)
-            with pdl_policy.early_trigger(False):  # nested: restored on exit
+            with pdl_policy.decode_forward(None):  # nested: restored on exit
                 assert not pdl_policy.triggers_early()
             assert pdl_policy.triggers_early() == early
         assert not pdl_policy.triggers_early()
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
     assert pdl_policy.triggers_early()
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
-    with pdl_policy.early_trigger():
+    with pdl_policy.decode_forward(large):
         assert not pdl_policy.triggers_early()
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "light")  # decode forwards, no preloaders
+    with pdl_policy.decode_forward(1):
+        assert pdl_policy.triggers_early() and not pdl_policy.triggers_early(True)
+        assert triton_pdl.launch_options(preloads_weights=True)["USE_PDL"] is True
+    assert not pdl_policy.triggers_early()
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "yes")
     with pytest.raises(ValueError, match="ROLLOUT_PDL_EARLY_TRIGGER"):
         triton_pdl.launch_options()
@@ -109,6 +114,6 @@ def test_gpu_model_logits_equal_with_the_early_trigger(tmp_path, monkeypatch, ro
     path = str(make_tiny_model(tmp_path / "m", spec))
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
     after_wait = decode_logits(path, rows, graph=True)
-    for mode in ("1", "auto"):  # every launch early; the engine's policy (early above 16 rows)
+    for mode in ("1", "auto", "light"):  # every launch early; the engine's policy; the other
         monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", mode)
         assert torch.equal(decode_logits(path, rows, graph=True), after_wait), mode

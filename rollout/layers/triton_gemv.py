@@ -486,7 +486,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                **launch_options())
+                **launch_options(preloads_weights=not cfg.dot))
     if cfg.dot:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
         _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
