@@ -243,6 +243,8 @@ for stage in "$@"; do
     pdl-test) run pdl_test 240 python3 -m pytest -q -m gpu tests/test_triton_pdl.py -p no:cacheprovider ;;
     ab14b) run ab14b 540 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab14b.json" ;;
+    ab14c) run ab14c 480 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14c.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

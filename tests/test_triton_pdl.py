@@ -26,33 +26,30 @@ class _Batch:  # what pdl_policy.for_forward reads of a ForwardBatch
 
 
 def test_early_trigger_policy(monkeypatch):
-    """"auto": early inside decode forwards of more than EARLY_TRIGGER_MIN_BATCH requests only;
-    "light": inside every decode forward but not for kernels that preload weights; "1" / "0"
-    everywhere / nowhere; other values are refused. launch_options turns it into the kernels' USE_PDL (when PDL is on)."""
+    """"auto": early inside decode forwards, except the kernels that preload weights; "1" / "0"
+    everywhere / nowhere; other values are refused. launch_options turns it into the kernels'
+    USE_PDL (when PDL is on)."""
     monkeypatch.delenv("ROLLOUT_PDL_EARLY_TRIGGER", raising=False)
     monkeypatch.setattr(triton_pdl, "_enabled", True)
-    small, large = pdl_policy.EARLY_TRIGGER_MIN_BATCH, pdl_policy.EARLY_TRIGGER_MIN_BATCH + 1
     assert not pdl_policy.triggers_early()
-    for mode, bs, early in ((ForwardMode.DECODE, large, True), (ForwardMode.DECODE, small, False),
-                            (ForwardMode.DECODE, 1, False), (ForwardMode.EXTEND, large, False)):
-        with pdl_policy.for_forward(_Batch(mode, bs)):
-            assert pdl_policy.triggers_early() == early, (mode, bs)
-            assert triton_pdl.launch_options()["USE_PDL"] == (2 if early else True)
-            with pdl_policy.decode_forward(None):  # nested: restored on exit
-                assert not pdl_policy.triggers_early()
-            assert pdl_policy.triggers_early() == early
-        assert not pdl_policy.triggers_early()
+    for mode, early in ((ForwardMode.DECODE, True), (ForwardMode.EXTEND, False),
+                        (ForwardMode.MIXED, False)):
+        for bs in (1, 128):
+            with pdl_policy.for_forward(_Batch(mode, bs)):
+                assert pdl_policy.triggers_early() == early, (mode, bs)
+                assert not pdl_policy.triggers_early(preloads_weights=True)
+                assert triton_pdl.launch_options()["USE_PDL"] == (2 if early else True)
+                assert triton_pdl.launch_options(preloads_weights=True)["USE_PDL"] is True
+                with pdl_policy.decode_forward(False):  # nested: restored on exit
+                    assert not pdl_policy.triggers_early()
+                assert pdl_policy.triggers_early() == early
+            assert not pdl_policy.triggers_early()
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
-    assert pdl_policy.triggers_early()
+    assert pdl_policy.triggers_early() and pdl_policy.triggers_early(preloads_weights=True)
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
-    with pdl_policy.decode_forward(large):
+    with pdl_policy.decode_forward():
         assert not pdl_policy.triggers_early()
-    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "light")  # decode forwards, no preloaders
-    with pdl_policy.decode_forward(1):
-        assert pdl_policy.triggers_early() and not pdl_policy.triggers_early(True)
-        assert triton_pdl.launch_options(preloads_weights=True)["USE_PDL"] is True
-    assert not pdl_policy.triggers_early()
-    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "yes")
+    monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "light")
     with pytest.raises(ValueError, match="ROLLOUT_PDL_EARLY_TRIGGER"):
         triton_pdl.launch_options()
     monkeypatch.setattr(triton_pdl, "_enabled", False)
@@ -104,7 +101,8 @@ def test_pdl_chain_equals_the_plain_chain_eager_and_in_a_graph(monkeypatch, earl
 def test_gpu_model_logits_equal_with_the_early_trigger(tmp_path, monkeypatch, rows):
     """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers): its decode logits from
     the decode CUDA graph with every kernel triggering its successor before its PDL wait
-    (ROLLOUT_PDL_EARLY_TRIGGER=1) are bit for bit those with the trigger after the wait."""
+    (ROLLOUT_PDL_EARLY_TRIGGER=1), and with the engine's policy ("auto"), are bit for bit those
+    with the trigger after the wait ("0")."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0")
     from rollout.tiny_model import TinyModelSpec, make_tiny_model
@@ -114,6 +112,6 @@ def test_gpu_model_logits_equal_with_the_early_trigger(tmp_path, monkeypatch, ro
     path = str(make_tiny_model(tmp_path / "m", spec))
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "0")
     after_wait = decode_logits(path, rows, graph=True)
-    for mode in ("1", "auto", "light"):  # every launch early; the engine's policy; the other
+    for mode in ("1", "auto"):  # every launch early; the engine's policy
         monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", mode)
         assert torch.equal(decode_logits(path, rows, graph=True), after_wait), mode
