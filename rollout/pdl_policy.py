@@ -6,12 +6,15 @@ completion, which follows that one's own wait).
 
 The policy ("auto"): early inside decode forwards (and their CUDA-graph captures), except the
 kernels that load weights before their wait (the one-row FMA GEMVs' register preloads): those
-trigger after it, since early they would pull their preloads into the latency-bound attention
-chain several kernels ahead of them. Prefill and the sampler: after the wait (not measured
-early). On an H200 (fourteenth session, `benchmarks/ab_fourteenth_session.json`, decode graph
-replay, medians of two rounds): batch 1 1.1413 → 1.1280 ms, 32 1.5616 → 1.5525, 64 1.5931 →
-1.5753, 128 1.8620 → 1.8473; every kernel early (the preloading GEMVs too) lost at batch 1
-(1.1398 → 1.1518).
+trigger after it, since early they would pull their successors' preloads into the
+latency-bound attention chain — unless the caller says otherwise (`preloaders_early`: the o
+projection, whose early trigger lets the MLP's gate/up start loading its weights during o).
+Prefill and the sampler: after the wait (not measured early). On an H200 (fourteenth session,
+decode graph replay, medians of two rounds): `benchmarks/ab_fourteenth_session.json`, the
+preloading GEMVs after the wait: batch 1 1.1413 → 1.1280 ms, 32 1.5616 → 1.5525, 64 1.5931 →
+1.5753, 128 1.8620 → 1.8473 (every kernel early lost at batch 1: 1.1398 → 1.1518); then
+`ab_fourteenth_session_c.json`, one GEMV at a time early too, batch 1: o 1.1196 → 1.0933, qkv
+1.1827, gate/up 1.1290, down 1.1197, LM head 1.1205.
 
 ROLLOUT_PDL_EARLY_TRIGGER: "auto" (default), "1" every launch early, "0" none.
 No Triton here: the model runner imports this whether or not Triton is installed."""
@@ -23,7 +26,7 @@ import threading
 from typing import Iterator
 
 MODES = ("auto", "0", "1")
-_state = threading.local()  # .decode: this thread is inside a decode forward
+_state = threading.local()  # .decode: inside a decode forward; .preloaders: preloaders early
 
 
 @contextlib.contextmanager
@@ -38,6 +41,18 @@ def decode_forward(on: bool = True) -> Iterator[None]:
         _state.decode = before
 
 
+@contextlib.contextmanager
+def preloaders_early() -> Iterator[None]:
+    """Inside a decode forward, the kernels launched here trigger early even when they preload
+    weights (the o projection's GEMV: see the module docstring)."""
+    before = getattr(_state, "preloaders", False)
+    _state.preloaders = True
+    try:
+        yield
+    finally:
+        _state.preloaders = before
+
+
 def for_forward(fb) -> contextlib.AbstractContextManager:
     """The policy's context around a forward (a ForwardBatch; a decode graph's capture too)."""
     return decode_forward(fb.forward_mode.is_decode)
@@ -50,5 +65,6 @@ def triggers_early(preloads_weights: bool = False) -> bool:
     if mode not in MODES:
         raise ValueError(f"ROLLOUT_PDL_EARLY_TRIGGER={mode!r}: want one of {MODES}")
     if mode == "auto":
-        return getattr(_state, "decode", False) and not preloads_weights
+        return getattr(_state, "decode", False) and (
+            not preloads_weights or getattr(_state, "preloaders", False))
     return mode == "1"

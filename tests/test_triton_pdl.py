@@ -26,7 +26,8 @@ class _Batch:  # what pdl_policy.for_forward reads of a ForwardBatch
 
 
 def test_early_trigger_policy(monkeypatch):
-    """"auto": early inside decode forwards, except the kernels that preload weights; "1" / "0"
+    """"auto": early inside decode forwards, except the kernels that preload weights (unless
+    inside preloaders_early); "1" / "0"
     everywhere / nowhere; other values are refused. launch_options turns it into the kernels'
     USE_PDL (when PDL is on)."""
     monkeypatch.delenv("ROLLOUT_PDL_EARLY_TRIGGER", raising=False)
@@ -43,6 +44,9 @@ def test_early_trigger_policy(monkeypatch):
                 with pdl_policy.decode_forward(False):  # nested: restored on exit
                     assert not pdl_policy.triggers_early()
                 assert pdl_policy.triggers_early() == early
+                with pdl_policy.preloaders_early():  # the o projection: preloaders too
+                    assert pdl_policy.triggers_early(preloads_weights=True) == early
+                assert not pdl_policy.triggers_early(preloads_weights=True)
             assert not pdl_policy.triggers_early()
     monkeypatch.setenv("ROLLOUT_PDL_EARLY_TRIGGER", "1")
     assert pdl_policy.triggers_early() and pdl_policy.triggers_early(preloads_weights=True)

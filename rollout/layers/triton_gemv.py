@@ -379,11 +379,6 @@ def load_tuned(path: str) -> int:
     return len(entries)
 
 
-# experiment (fourteenth session's A/B): FMA GEMV weight shapes "N:K,..." that trigger their
-# successor before their PDL wait like the other kernels of a decode forward (pdl_policy)
-_EARLY_FMA_SHAPES = {tuple(int(v) for v in e.split(":"))
-                     for e in os.environ.get("ROLLOUT_PDL_EARLY_FMA", "").split(",") if e}
-
 if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
     load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
 
@@ -491,8 +486,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                **launch_options(preloads_weights=not cfg.dot
-                                 and (weight.shape[0], K) not in _EARLY_FMA_SHAPES))
+                **launch_options(preloads_weights=not cfg.dot))
     if cfg.dot:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
         _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,

@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from rollout import pdl_policy
 from rollout.config import ModelConfig
 from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardBatch
@@ -64,8 +65,12 @@ class DecoderAttention(nn.Module):
                                dim=1)
             apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        # read by the post-attention add + RMSNorm, which can sum split-K partials itself
-        return self.o_proj(self.attn(q, k, v, fb, kv_stored), defer_split=True)
+        out = self.attn(q, k, v, fb, kv_stored)
+        # o lets the kernels after it launch before its PDL wait, even at one row where its GEMV
+        # preloads weights: the MLP's gate/up then loads its weights during o (pdl_policy).
+        # Read by the post-attention add + RMSNorm, which can sum split-K partials itself.
+        with pdl_policy.preloaders_early():
+            return self.o_proj(out, defer_split=True)
 
 
 class MLP(nn.Module):
