@@ -245,6 +245,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32 64 128} --timeout-s 150 --out "$OUT/ab14b.json" ;;
     ab14c) run ab14c 480 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14c.json" ;;
+    ab14d) run ab14d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14d.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
