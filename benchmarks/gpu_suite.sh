@@ -247,10 +247,6 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14c.json" ;;
     ab14d) run ab14d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_d.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14d.json" ;;
-    late-test) run late_test 120 env ROLLOUT_PDL_LATE_FMA=2048:1536,1536:8960,17920:1536 python3 -m pytest -q -m gpu \
-              tests/test_triton_pdl.py -k "model_logits and 1]" -p no:cacheprovider ;;
-    ab14e) run ab14e 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_e.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 90 --out "$OUT/ab14e.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

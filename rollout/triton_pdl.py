@@ -26,7 +26,6 @@ from rollout import pdl_policy
 
 _enabled: Optional[bool] = None
 EARLY_TRIGGER: tl.constexpr = tl.constexpr(2)  # USE_PDL value: trigger the next kernel, then wait
-LATE_TRIGGER: tl.constexpr = tl.constexpr(3)  # USE_PDL value: wait; trigger at `pdl_trigger`
 
 
 @triton.jit
@@ -39,18 +38,8 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL == EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    elif USE_PDL == LATE_TRIGGER:
-        tl.extra.cuda.gdc_wait()
     elif USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger(USE_PDL: tl.constexpr):
-    """Under LATE_TRIGGER (an experiment: the one-row GEMVs' K loop done), let the next kernel
-    launch here; otherwise pdl_wait did."""
-    if USE_PDL == LATE_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -58,7 +58,7 @@ from triton.language.extra import libdevice
 
 from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_ops import _is_compiled, _round
-from rollout.triton_pdl import LATE_TRIGGER, launch_options, pdl_trigger, pdl_wait
+from rollout.triton_pdl import launch_options, pdl_wait
 
 MAX_M = 16  # rows served without a tuned entry (the heuristic config)
 BATCH_MAX_M = 256  # rows served at all: above MAX_M the dot kernel tiles M (decode batches)
@@ -201,7 +201,6 @@ def _gemv_fma_kernel(
         acc += x * w
         if GATED:
             acc_up += x * w_up
-    pdl_trigger(USE_PDL)
     _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), Bias, Y, P, offs_m, offs_n, M, N,
               stride_ym, pid_k, HAS_BIAS, GATED, SPLIT, COMPILED)
 
@@ -380,11 +379,6 @@ def load_tuned(path: str) -> int:
     return len(entries)
 
 
-# experiment (fourteenth session, ab14e): one-row GEMV weight shapes "N:K,..." that let the
-# next kernel launch after their K loop instead of after their PDL wait
-_LATE_FMA_SHAPES = {tuple(int(v) for v in e.split(":"))
-                    for e in os.environ.get("ROLLOUT_PDL_LATE_FMA", "").split(",") if e}
-
 if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
     load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
 
@@ -489,13 +483,10 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     w_up = weight[N:] if gated else weight  # the up half's rows
     args = (x, weight, w_up, bias_arg, out, partials, M, N, K, k_split, x.stride(0),
             out.stride(0))
-    pdl = launch_options(preloads_weights=not cfg.dot)
-    if not cfg.dot and pdl["USE_PDL"] is True and (weight.shape[0], K) in _LATE_FMA_SHAPES:
-        pdl["USE_PDL"] = LATE_TRIGGER.value
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                **pdl)
+                **launch_options(preloads_weights=not cfg.dot))
     if cfg.dot:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
         _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
