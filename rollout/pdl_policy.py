@@ -30,27 +30,26 @@ _state = threading.local()  # .decode: inside a decode forward; .preloaders: pre
 
 
 @contextlib.contextmanager
-def decode_forward(on: bool = True) -> Iterator[None]:
+def _set(name: str, value: bool) -> Iterator[None]:
+    """This thread's policy field `name` set to `value` inside, restored after."""
+    before = getattr(_state, name, False)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, before)
+
+
+def decode_forward(on: bool = True) -> contextlib.AbstractContextManager:
     """The Triton kernels this thread launches inside (or captures into a CUDA graph) belong to
     a decode forward (`on`) or not."""
-    before = getattr(_state, "decode", False)
-    _state.decode = on
-    try:
-        yield
-    finally:
-        _state.decode = before
+    return _set("decode", on)
 
 
-@contextlib.contextmanager
-def preloaders_early() -> Iterator[None]:
+def preloaders_early() -> contextlib.AbstractContextManager:
     """Inside a decode forward, the kernels launched here trigger early even when they preload
     weights (the o projection's GEMV: see the module docstring)."""
-    before = getattr(_state, "preloaders", False)
-    _state.preloaders = True
-    try:
-        yield
-    finally:
-        _state.preloaders = before
+    return _set("preloaders", True)
 
 
 def for_forward(fb) -> contextlib.AbstractContextManager:
