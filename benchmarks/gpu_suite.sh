@@ -247,6 +247,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14c.json" ;;
     ab14d) run ab14d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_d.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14d.json" ;;
+    ab14f) run ab14f 190 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_f.json \
+              --rounds ${ROUNDS:-1} --batch-sizes 32 64 128 --timeout-s 60 --out "$OUT/ab14f.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
