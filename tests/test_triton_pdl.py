@@ -1,8 +1,11 @@
 """Spec for programmatic dependent launch (rollout/triton_pdl.py): on a Hopper-or-newer GPU our
 Triton kernels launch with PDL by default, and a chain of them — each reading what the previous
 one wrote, temporaries reused by the caching allocator — gives bit for bit the results of the
-same chain launched without it, eagerly and inside a CUDA graph. Off the GPU (and under the
-interpreter) PDL is off and the kernels take USE_PDL=False."""
+same chain launched without it, eagerly and inside a CUDA graph, with the next kernel triggered
+after each wait or before it (rollout/pdl_policy.py; and a model's decode-graph logits with the
+engine's trigger policy equal those with every trigger after the wait). Off the GPU (and under
+the interpreter) PDL is off and the kernels take USE_PDL=False; the policy itself is checked on
+CPU."""
 import pytest
 import torch
 
@@ -27,9 +30,8 @@ class _Batch:  # what pdl_policy.for_forward reads of a ForwardBatch
 
 def test_early_trigger_policy(monkeypatch):
     """"auto": early inside decode forwards, except the kernels that preload weights (unless
-    inside preloaders_early); "1" / "0"
-    everywhere / nowhere; other values are refused. launch_options turns it into the kernels'
-    USE_PDL (when PDL is on)."""
+    inside preloaders_early); "1" / "0" everywhere / nowhere; other values are refused.
+    launch_options turns it into the kernels' USE_PDL (when PDL is on)."""
     monkeypatch.delenv("ROLLOUT_PDL_EARLY_TRIGGER", raising=False)
     monkeypatch.setattr(triton_pdl, "_enabled", True)
     assert not pdl_policy.triggers_early()
