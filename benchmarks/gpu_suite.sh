@@ -249,6 +249,12 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --timeout-s 100 --out "$OUT/ab14d.json" ;;
     ab14f) run ab14f 190 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fourteenth_session_f.json \
               --rounds ${ROUNDS:-1} --batch-sizes 32 64 128 --timeout-s 60 --out "$OUT/ab14f.json" ;;
+    # fifteenth session: the one-row qkv GEMV with the rotary and the KV store in its epilogue
+    # (its GPU specs and those of the kernels it shares code with; the engine A/B at batch 1)
+    qkv-rope-test) run qkv_rope_test 300 python3 -m pytest -q -m gpu tests/test_triton_qkv_rope.py \
+              tests/test_triton_gemv.py tests/test_triton_pdl.py -p no:cacheprovider ;;
+    ab15) run ab15 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --timeout-s 100 --out "$OUT/ab15.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -145,26 +145,15 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
     return tl.load(x_ptr + k, mask=(offs_k + k < K)[None, None, :], other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
-def _gemv_fma_kernel(
-    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-    # tail rows are clamped, not masked: they re-read a real row, and are never stored
-    rows_m = tl.minimum(offs_m, M - 1)
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
-    w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
-    wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
-    # The weights are no earlier kernel's output: under PDL the first K chunk streams in while
-    # the previous kernel finishes; x (its output) only after the wait.
-    # PRELOAD chunks of it (all of a short K) are in flight before the wait.
+@triton.jit
+def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
+                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
+    (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
+    pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
+    the weight: the weights are no earlier kernel's output, so under PDL they stream in while the
+    previous kernel finishes; x (its output) only after the wait."""
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
@@ -201,8 +190,30 @@ def _gemv_fma_kernel(
         acc += x * w
         if GATED:
             acc_up += x * w_up
-    _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), Bias, Y, P, offs_m, offs_n, M, N,
-              stride_ym, pid_k, HAS_BIAS, GATED, SPLIT, COMPILED)
+    return tl.sum(acc, axis=2), tl.sum(acc_up, axis=2)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
+def _gemv_fma_kernel(
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    # tail rows are clamped, not masked: they re-read a real row, and are never stored
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
+    w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
+    wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
+    acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
+                               PRELOAD, LOOKAHEAD, USE_PDL)
+    _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
+              SPLIT, COMPILED)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -37,33 +37,8 @@ class DecoderAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
-        n, d = x.shape[0], self.attn.head_dim
-        # split-K partials of qkv are summed by the rotary kernel (no q/k norm in between)
-        qkv = self.qkv_proj(x, defer_split=self.q_norm is None)
-        split = qkv if isinstance(qkv, SplitSum) else None
-        if split is not None:  # its output, which the rotary kernel writes
-            qkv = split.out
-        qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
-                           self.qkv_proj.kv_size], dim=-1)
-        qk, v = qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
-        kv_stored = False
-        if qk.is_cuda:  # fused Triton kernels, in place on the fresh qkv_proj output
-            from rollout.layers import triton_ops
-            if self.q_norm is not None:
-                for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
-                                       (self.q_norm, self.k_norm)):
-                    triton_ops.rms_norm(heads, norm.weight, norm.eps, out=heads)
-            # rotary and the KV cache write in one kernel where the pool allows it
-            target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
-            triton_ops.apply_rotary_inplace(
-                qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
-                source=split)
-            kv_stored = target is not None
-        else:
-            if self.q_norm is not None:
-                qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
-                               dim=1)
-            apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
+        qk, v, kv_stored = (self._qkv_rotary_cuda(rope, x, fb) if x.is_cuda
+                            else self._qkv_rotary_cpu(rope, x))
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         out = self.attn(q, k, v, fb, kv_stored)
         # o lets the kernels after it launch before its PDL wait, even at one row where its GEMV
@@ -71,6 +46,66 @@ class DecoderAttention(nn.Module):
         # Read by the post-attention add + RMSNorm, which can sum split-K partials itself.
         with pdl_policy.preloaders_early():
             return self.o_proj(out, defer_split=True)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q and k heads [n, heads + kv_heads, d], v heads [n, kv_heads, d]) views of qkv."""
+        n, d = qkv.shape[0], self.attn.head_dim
+        qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size,
+                           self.qkv_proj.kv_size], dim=-1)
+        return qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
+
+    def _qkv_rotary_cuda(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                         fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """qkv, the q/k norms (Qwen3), the rotary and the KV cache write by fused Triton kernels:
+        (q and k heads rotated, v heads, whether k and v are in the KV cache already)."""
+        from rollout.layers import triton_ops
+        if self.q_norm is None and (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
+            return *self._heads(fused), True
+        # split-K partials of qkv are summed by the rotary kernel (no q/k norm in between)
+        qkv = self.qkv_proj(x, defer_split=self.q_norm is None)
+        split = qkv if isinstance(qkv, SplitSum) else None
+        qk, v = self._heads(split.out if split is not None else qkv)  # the rotary kernel writes
+        if self.q_norm is not None:
+            for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
+                                   (self.q_norm, self.k_norm)):
+                triton_ops.rms_norm(heads, norm.weight, norm.eps, out=heads)
+        # rotary and the KV cache write in one kernel where the pool allows it
+        target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
+        triton_ops.apply_rotary_inplace(
+            qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
+            source=split)
+        return qk, v, target is not None
+
+    def _fused_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                        fb: ForwardBatch) -> Optional[torch.Tensor]:
+        """At one row: qkv, the rotary and the KV cache write in one kernel (triton_qkv_rope),
+        where the plain qkv GEMV would be the FMA kernel and the pool takes a fused store; else
+        None."""
+        w = self.qkv_proj.weight
+        if not use_skinny(x, w):
+            return None
+        from rollout.layers import triton_qkv_rope
+        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
+        cfg = triton_qkv_rope.fused_config(x, w, heads)
+        if cfg is None:
+            return None
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc,
+                                                         self._heads(out)[1])
+        if target is None:
+            return None
+        from rollout.layers.triton_ops import KVStore
+        return triton_qkv_rope.qkv_rope(x, w, self.qkv_proj.bias, *rope, heads, KVStore(*target),
+                                        cfg, out)
+
+    def _qkv_rotary_cpu(self, rope: tuple[torch.Tensor, torch.Tensor],
+                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        qk, v = self._heads(self.qkv_proj(x))
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])),
+                           dim=1)
+        apply_rotary_full_(qk, *rope)  # q and k heads together, in place: one rotation per layer
+        return qk, v, False
 
 
 class MLP(nn.Module):
