@@ -2,7 +2,8 @@
 process each, variants alternated, so every variant sees the same machine drift. A variant is
 environment variables and/or skinny-GEMM launch-config entries (written to a file for
 ROLLOUT_SKINNY_CONFIGS, as `triton_gemv.load_tuned` reads it; "configs_file" instead names such a
-file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded). Keys starting
+file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded; "script" runs
+another script that takes decode_throughput.py's arguments, e.g. decode_ablated.py). Keys starting
 with "_" are comments. A variants file records an experiment as it ran at its commit: an A/B
 toggle it sets may since have been removed, its winner kept as the only code path.
 
@@ -42,8 +43,9 @@ def variant_env(name: str, spec: dict, tmp: Path) -> dict:
     return env
 
 
-def run_once(name: str, env: dict, args, out: Path, extra: list[str] = ()) -> dict:
-    cmd = [sys.executable, "benchmarks/decode_throughput.py", "--shape", args.shape,
+def run_once(name: str, env: dict, args, out: Path, extra: list[str] = (),
+             script: str = "benchmarks/decode_throughput.py") -> dict:
+    cmd = [sys.executable, script, "--shape", args.shape,
            "--device", "cuda", "--dtype", "bfloat16", "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--skip-hf",
            "--batch-sizes", *map(str, args.batch_sizes), "--out", str(out), *extra]
@@ -58,7 +60,7 @@ def run_once(name: str, env: dict, args, out: Path, extra: list[str] = ()) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", required=True, help="JSON {name: {env, configs, configs_file, args}}")
+    p.add_argument("--variants", required=True, help="JSON {name: {env, configs, configs_file, args, script}}")
     p.add_argument("--only", nargs="*", default=None, help="run these variants of the file")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128])
@@ -76,7 +78,8 @@ def main() -> None:
     for r in range(args.rounds):
         for n in names:
             res = run_once(n, variant_env(n, variants[n], tmp), args, tmp / f"{n}_{r}.json",
-                           [str(a) for a in variants[n].get("args", [])])
+                           [str(a) for a in variants[n].get("args", [])],
+                           variants[n].get("script", "benchmarks/decode_throughput.py"))
             runs[n].append(res)
             print(f"round {r} {n}: {json.dumps(res)[:400]}", flush=True)
             Path(args.out).write_text(json.dumps({"variants": variants, "runs": runs}, indent=1))

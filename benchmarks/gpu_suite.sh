@@ -255,6 +255,9 @@ for stage in "$@"; do
               tests/test_triton_gemv.py tests/test_triton_pdl.py -p no:cacheprovider ;;
     ab15) run ab15 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --timeout-s 100 --out "$OUT/ab15.json" ;;
+    # what each op of a layer costs the decode step (the step without it; decode_ablated.py)
+    ablation) run ablation 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_ablation.json \
+              --rounds ${ROUNDS:-1} --batch-sizes ${AB_BATCHES:-1 128} --repeats 1 --timeout-s 90 --out "$OUT/ablation.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
