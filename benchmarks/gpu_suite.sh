@@ -255,6 +255,11 @@ for stage in "$@"; do
               tests/test_triton_gemv.py tests/test_triton_pdl.py -p no:cacheprovider ;;
     ab15) run ab15 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --timeout-s 100 --out "$OUT/ab15.json" ;;
+    # the decode attention's earlier keys and values loaded before its PDL wait: GPU specs, A/B
+    attn-preload-test) run attn_preload_test 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py \
+              -k "decode_after or decode_kernel" -p no:cacheprovider ;;
+    ab15b) run ab15b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32} --timeout-s 100 --out "$OUT/ab15b.json" ;;
     # what each op of a layer costs the decode step (the step without it; decode_ablated.py)
     ablation) run ablation 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_ablation.json \
               --rounds ${ROUNDS:-1} --batch-sizes ${AB_BATCHES:-1 128} --repeats 1 --timeout-s 90 --out "$OUT/ablation.json" ;;

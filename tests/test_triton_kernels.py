@@ -85,23 +85,28 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=head_dim)
     q = torch.randn(len(SEQ_LENS), 4, head_dim, device=DEV)
     scale = head_dim ** -0.5
-    # NaN scratch: the splits a short sequence leaves empty must not leak into the result
-    scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
-        len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
-    out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
-                           torch.tensor(SEQ_LENS, device=DEV), scale, decode.DecodeConfig(num_splits),
-                           buffers=scratch)
+    outs = []
+    for preload_kv in (False, True):  # the first block's earlier keys loaded before the wait
+        # NaN scratch: the splits a short sequence leaves empty must not leak into the result
+        scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
+            len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
+        outs.append(decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
+                                     torch.tensor(SEQ_LENS, device=DEV), scale,
+                                     decode.DecodeConfig(num_splits, preload_kv=preload_kv),
+                                     buffers=scratch))
     expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
-    assert (out - expected).abs().max().item() <= 1e-4
+    assert (outs[0] - expected).abs().max().item() <= 1e-4
+    assert torch.equal(outs[1], outs[0])  # the same sums in the same order
 
 
 @gpu
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages):
+@pytest.mark.parametrize("num_stages,preload_kv", [(2, False), (3, False), (2, True)])
+def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages, preload_kv):
     """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
     into its KV slot (poisoned before every replay), the decode kernel reads the step's lengths
-    and request rows before its PDL wait and the cache after it. Every replay gives the bits of
-    the same kernels launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits)."""
+    and request rows (and with `preload_kv` the earlier keys and values of its first block)
+    before its PDL wait and the cache after it. Every replay gives the bits of the same kernels
+    launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits)."""
     from rollout import triton_pdl
     from rollout.layers import triton_ops
     if torch.cuda.get_device_capability() < (9, 0):
@@ -124,7 +129,8 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages
         qk.copy_(qk_in)
         triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(v_new, new_slots, p.k, p.v))
         decode_attention(qk[:, :12], p.k, p.v, p.req_to_token, p.rows, lens, 0.088,
-                         decode.DecodeConfig(8, num_stages=num_stages), scratch, out)
+                         decode.DecodeConfig(8, num_stages=num_stages, preload_kv=preload_kv),
+                         scratch, out)
 
     assert triton_pdl.enabled()
     step()
@@ -143,13 +149,16 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
-def test_decode_kernel_launch_configs_match_reference(block_n):
-    """Another keys-per-block (and the warps/stages a tuned table may pick): the same function;
-    scratch larger than the splits used, as the backend allocates it."""
+@pytest.mark.parametrize("preload_kv", [False, True])
+def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv):
+    """Another keys-per-block (and the warps/stages a tuned table may pick; the first block
+    preloaded, then more blocks after it at 16 keys a block): the same function; scratch larger
+    than the splits used, as the backend allocates it."""
     p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=16)
     q = torch.randn(len(SEQ_LENS), 4, 16, device=DEV)
     scratch = decode.decode_buffers(len(SEQ_LENS), 4, 16, 8, DEV)
-    cfg = decode.DecodeConfig(splits=3, block_n=block_n, num_warps=2, num_stages=2)
+    cfg = decode.DecodeConfig(splits=3, block_n=block_n, num_warps=2, num_stages=2,
+                              preload_kv=preload_kv)
     out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
                            0.25, buffers=scratch, config=cfg)
     expected = torch.cat([reference(q[b:b + 1], p, b, 0.25) for b in range(len(SEQ_LENS))])
@@ -172,7 +181,12 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     assert decode.decode_launch_config(17, table=table) == decode.DecodeConfig(1, 64, 2, 3)
     assert decode.decode_launch_config(512, table=table) == decode.DecodeConfig(1, 64, 2, 3)
     assert decode.decode_launch_config(8, max_splits=2, table=table).splits == 2
-    for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";"):
+    monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:8,32,4,2,1;256:1,128,4,2,0")
+    table = decode.launch_table_from_env()
+    assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(8, 32, 4, 2, True)
+    assert decode.decode_launch_config(128, table=table).preload_kv is False
+    for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
+                "16:8,32,4,2,1,1"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
         with pytest.raises(ValueError, match="decode attention config"):
             decode.launch_table_from_env()

@@ -27,11 +27,39 @@ MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
 
 class DecodeConfig(NamedTuple):
     """Launch parameters of the split (stage 1) kernel. Any value gives the same function; the
-    rounding can differ with `block_n` (the online softmax's blocks) and `splits`."""
+    rounding can differ with `block_n` (the online softmax's blocks) and `splits`, not with
+    `preload_kv` (the first block's earlier keys and values loaded before the PDL wait)."""
     splits: int = 8
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
+    preload_kv: bool = False
+
+
+@triton.jit
+def _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION: tl.constexpr):
+    """One block of keys in the online softmax: (probabilities, new running max, the factor
+    that rescales the earlier sums, new running sum)."""
+    s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return p, m_new, alpha, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, mask):
+    """Keys at `slots` (where `mask`) as [BLOCK_D, BLOCK_N] (zeros elsewhere)."""
+    return tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                   mask=d_mask[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, mask):
+    """Values at `slots` (where `mask`) as [BLOCK_N, BLOCK_D] (zeros elsewhere)."""
+    return tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                   mask=mask[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -41,7 +69,7 @@ def _decode_partial_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,13 +80,22 @@ def _decode_partial_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     # Before the PDL wait: the step's inputs, written before its first kernel (a step's
-    # kernels write neither). Loading the first block of earlier tokens' keys and values here
-    # too measured slower (docs/BENCHMARKS.md).
+    # kernels write neither).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    first_n = start + tl.arange(0, BLOCK_N)
+    first_mask = first_n < end
+    if PRELOAD_KV:
+        # and the first block's keys and values but the new token's: earlier steps wrote them
+        # (the slot table too), so these loads stream in while the kernels before this one run
+        first_slots = tl.load(ReqToToken + row * stride_r2t + first_n, mask=first_mask,
+                              other=0).to(tl.int64)
+        old = first_mask & (first_n < seq_len - 1)
+        k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
+        v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -66,23 +103,25 @@ def _decode_partial_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        loop_start = start
+        if PRELOAD_KV:  # the first block: the new token's key and value (this step's) put in
+            new = first_mask & (first_n == seq_len - 1)
+            k_t = tl.where(new[None, :], _load_k_t(K, first_slots, kv_head, stride_kt,
+                                                   stride_kh, offs_d, d_mask, new), k_old)
+            p, m_i, alpha, l_i = _block_probs(q, k_t, first_mask, m_i, l_i, sm_scale, PRECISION)
+            v = tl.where(new[:, None], _load_v(V, first_slots, kv_head, stride_vt, stride_vh,
+                                               offs_d, d_mask, new), v_old)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            loop_start = start + BLOCK_N
+        for n0 in range(loop_start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             # int64: slot * stride can pass 2**31 in a large pool
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
-            k_t = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                          mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, n_mask)
+            p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
+            v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, n_mask)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         if NUM_SPLITS == 1:  # PartO is the output itself: no partials, no merge kernel
             tl.store(out_ptr, (acc / l_i[:, None]).to(PartO.dtype.element_ty),
@@ -139,21 +178,23 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 
 def parse_launch_table(spec: str) -> LaunchTable:
-    """A launch table from "MAX_BATCH:splits,block_n,warps,stages;..." (e.g.
-    "16:8,32,4,3;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph it is
+    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv];..." (e.g.
+    "16:8,32,4,3,1;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph it is
     padded to then launch alike)."""
     table = []
     for entry in filter(None, spec.replace(" ", "").split(";")):
         try:
             edge, values = entry.split(":")
             values = [int(v) for v in values.split(",")]
-            if len(values) != len(DecodeConfig._fields):
+            if not len(DecodeConfig._fields) - 1 <= len(values) <= len(DecodeConfig._fields):
                 raise ValueError(f"{len(values)} values")
-            cfg, edge = DecodeConfig(*values), int(edge)
+            if len(values) == len(DecodeConfig._fields) and values[-1] not in (0, 1):
+                raise ValueError("preload_kv is 0 or 1")
+            cfg, edge = DecodeConfig(*values[:4], *map(bool, values[4:])), int(edge)
         except (ValueError, TypeError) as e:
             raise ValueError(f"decode attention config {entry!r}: want "
-                             f"MAX_BATCH:splits,block_n,warps,stages ({e})") from None
-        if edge < 1 or min(cfg) < 1 or cfg.block_n & (cfg.block_n - 1):
+                             f"MAX_BATCH:splits,block_n,warps,stages[,preload_kv] ({e})") from None
+        if edge < 1 or min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
             raise ValueError(f"decode attention config {entry!r}: positive values, block_n a "
                              "power of two")
         table.append((edge, cfg))
@@ -232,7 +273,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         *dest_strides, part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps,
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_options())
     if direct:
         return out
