@@ -10,9 +10,11 @@ the right shape. What remains is the engine's own host work: building requests, 
 batch and sampling metadata, the KV table write, the sampler (real, on tiny logits) and the
 outputs. Each generate asks for one new token, so it is the prefill path alone.
 
-It prints the median wall time of stubbed calls per batch size (A/B runs: alternate two
-checkouts, several repeats, compare medians), then a cProfile of the stubbed calls (own time
-per function) for the largest batch.
+Scheduling overlaps as on one GPU (`--no-overlap`: sequential, the CPU default). It prints
+the median wall time of stubbed calls per batch size (A/B runs: alternate two checkouts,
+several repeats, compare medians); for the largest batch the median time of each stage in a
+call, the host time from the call to the first forward and between the first two forwards
+(the prefill chunks); then a cProfile of the stubbed calls (own time per function).
 
   PYTHONPATH=. python benchmarks/prefill_host_cpu.py
   PYTHONPATH=. python benchmarks/prefill_host_cpu.py --batches 128 --calls 50 --top 30
@@ -88,9 +90,9 @@ PHASES: list[tuple[str, object, str]] = [
 
 
 @contextmanager
-def phase_timers() -> Iterator[dict[str, list[float]]]:
-    """Wraps each PHASES function with a timer; yields name -> total seconds per call of generate."""
-    totals: dict[str, float] = defaultdict(float)
+def phase_timers() -> Iterator[dict[str, list[tuple[float, float]]]]:
+    """Wraps each PHASES function with a timer; yields name -> (start, end) of each call."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     saved = []
     for name, owner, attr in PHASES:
         raw = owner.__dict__[attr]
@@ -102,30 +104,39 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
             try:
                 return _fn(*a, **kw)
             finally:
-                totals[_name] += time.perf_counter() - t0
+                spans[_name].append((t0, time.perf_counter()))
 
         setattr(owner, attr, classmethod(timed) if isinstance(raw, classmethod) else timed)
     try:
-        yield totals
+        yield spans
     finally:
         for owner, attr, raw in saved:
             setattr(owner, attr, raw)
 
 
+FORWARD = PHASES[4][0]
+
+
 def phases_text(engine: Engine, prompts: list[list[int]], calls: int) -> str:
+    """Per stage, the median over calls of its time in one call; and the host time from the
+    call to the first forward and between the first two forwards (the prefill chunks)."""
     per_call: dict[str, list[float]] = defaultdict(list)
     walls = []
     for _ in range(calls):
-        with phase_timers() as totals:
+        with phase_timers() as spans:
             t0 = time.perf_counter()
             engine.generate(prompts, PREFILL_ONLY)
             walls.append(time.perf_counter() - t0)
         for name, _, _ in PHASES:
-            per_call[name].append(totals[name])
+            per_call[name].append(sum(end - start for start, end in spans[name]))
+        forwards = spans[FORWARD]
+        per_call["call -> 1st forward"].append(forwards[0][0] - t0)
+        if len(forwards) > 1:
+            per_call["1st forward -> 2nd forward"].append(forwards[1][0] - forwards[0][1])
     out = [f"stages of one call, {len(prompts)} prompts, median of {calls} (timers on: "
            f"call {statistics.median(walls) * 1e3:.3f} ms)"]
-    for name, _, _ in PHASES:
-        out.append(f"  {name:42s} {statistics.median(per_call[name]) * 1e3:7.3f} ms")
+    for name, values in per_call.items():
+        out.append(f"  {name:42s} {statistics.median(values) * 1e3:7.3f} ms")
     return "\n".join(out) + "\n"
 
 
@@ -153,6 +164,8 @@ def main() -> None:
     p.add_argument("--profile-calls", type=int, default=20)
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="sequential scheduling (the CPU default); default: overlap, as on one GPU")
     p.add_argument("--real-forward", action="store_true",
                    help="keep the model's forward (to see the host share of a real CPU call)")
     p.add_argument("--out", default=None, help="also write the report here")
@@ -163,6 +176,7 @@ def main() -> None:
         biggest = max(args.batches)
         engine = Engine(EngineConfig(model_path=d, device="cpu", max_running_requests=biggest,
                                      max_prefill_tokens=args.max_prefill_tokens,
+                                     overlap_schedule=not args.no_overlap,
                                      kv_cache_tokens=2 * biggest * (args.prompt_len + 1)))
         if not args.real_forward:
             stub_forward(engine)
