@@ -13,9 +13,13 @@ if TYPE_CHECKING:
     from rollout.sampling_info import SamplingBatchInfo
 
 
-# The int64 index tensors of a batch, in the order of HostIndices.flat.
+# The int64 index tensors of a batch, in the order of HostIndices.flat: first the per-token
+# ones, then the per-request ones.
 INDEX_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_req_pool_indices",
                 "req_pool_indices", "seq_lens", "extend_seq_lens", "extend_prefix_lens")
+NUM_TOKEN_FIELDS = 4
+# An EXTEND batch's last-token rows (`ForwardBatch.logits_rows`), packed after INDEX_FIELDS.
+LOGITS_ROWS = "logits_rows"
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class ForwardBatch:
     extend_seq_lens: Optional[torch.Tensor] = None  # [batch] int64
     extend_prefix_lens: Optional[torch.Tensor] = None  # [batch] int64
     token_req_pool_indices: Optional[torch.Tensor] = None  # [num_tokens]: request row per token
+    # [batch]: each request's last token, the rows `logits_indices` returns (None: computed there)
+    logits_rows: Optional[torch.Tensor] = None
     host_indices: Optional[HostIndices] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -124,6 +130,8 @@ class ForwardBatch:
         """Rows of the hidden states whose logits are needed (None: all of them)."""
         if self.forward_mode.is_decode or self.return_all_logits:
             return None
+        if self.logits_rows is not None:  # packed with the batch's indices: already on the device
+            return self.logits_rows
         last = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum_(0).sub_(1)
         if self.input_ids.device.type == "cuda":  # pinned + non_blocking: device tensor() would sync
             last = last.pin_memory().to(self.input_ids.device, non_blocking=True)

@@ -5,7 +5,9 @@ request on every step, so they are written out over the lists (no property calli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+import numpy as np
 
 from rollout.sampling_params import SamplingParams
 
@@ -30,10 +32,20 @@ class Request:
     # scheduling: at most the one in flight, briefly two while the next is queued behind it).
     pending: int = 0
     kv_allocated: int = 0  # KV slots its row holds (freed when it leaves, pending or not)
+    # prompt_ids as a read-only int64 array (the request builder's, shared by a prompt's samples)
+    prompt_array: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_ids(self) -> Union[np.ndarray, list[int]]:
+        """The tokens a prefill of this request computes: `all_ids`, as the prompt's array while
+        nothing is generated (the batch builder copies it, converting no ints)."""
+        if self.prompt_array is not None and not self.output_ids:
+            return self.prompt_array
+        return self.all_ids
 
     @property
     def length(self) -> int:

@@ -1,9 +1,12 @@
 """Turns generate() arguments into validated Requests. Every check runs before any work starts."""
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
+
+import numpy as np
 
 from rollout.errors import InvalidRequestError, KVCacheBudgetError
 from rollout.request import Request
@@ -35,15 +38,17 @@ class RequestBuilder:
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
         check_prompt_list(prompts)
         per_prompt = params_list(params, len(prompts))
-        ids = [self._encode(i, p) for i, p in enumerate(prompts)]
-        return [req for i, (p, sp) in enumerate(zip(ids, per_prompt)) for req in self._expand(i, p, sp)]
+        ids, arrays = self._encode_all(prompts)
+        return [req for i, (p, a, sp) in enumerate(zip(ids, arrays, per_prompt))
+                for req in self._expand(i, p, a, sp)]
 
-    def _expand(self, index: int, prompt: list[int], sp: SamplingParams) -> list[Request]:
+    def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams) -> list[Request]:
         base = resolve_seed(sp, self._rng)
         out = []
         for k in range(sp.n):
             seed = base if sp.n == 1 else mix_seed(base, k)
-            out.append(Request(self._next_rid, prompt, sp, seed, self.limits.max_len, index, k))
+            out.append(Request(self._next_rid, prompt, sp, seed, self.limits.max_len, index, k,
+                               prompt_array=array))
             self._next_rid += 1
         return out
 
@@ -52,6 +57,39 @@ class RequestBuilder:
         return self._encode(index, prompt)
 
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
+        ids = self._typed_ids(index, prompt)
+        self._check_ids(index, ids)
+        return ids
+
+    def _encode_all(self, prompts: Sequence[Prompt]) -> tuple[list[list[int]], list[np.ndarray]]:
+        """Every prompt's ids, and each as a read-only view of one int64 array of them all (what
+        the batch builder copies). Raises what `_encode` of each prompt in turn would raise
+        first, in two passes over the tokens instead of three: the type check, then the
+        conversion, whose min and max stand for every prompt's range check (a min and a max
+        of each list over Python ints cost more than the conversion)."""
+        ids: list[list[int]] = []
+        first_error: Optional[Exception] = None
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self._typed_ids(i, p))
+            except Exception as e:  # re-raised below, unless a prompt before it fails a later check
+                first_error = e
+                break
+        flat = _int64_array(ids)
+        vocab = self.limits.vocab_size
+        if flat is None or (len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= vocab)):
+            for i, p in enumerate(ids):  # some token is out of range: the per-prompt checks name it
+                self._check_ids(i, p)
+        for i, p in enumerate(ids):
+            self._check_lengths(i, p)
+        if first_error is not None:
+            raise first_error
+        flat.flags.writeable = False
+        ends = list(itertools.accumulate(map(len, ids)))
+        return ids, [flat[end - len(p):end] for p, end in zip(ids, ends)]
+
+    def _typed_ids(self, index: int, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: type-checked and not empty (the checks before the range check)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(f"prompt {index} is a string but the model has no tokenizer.json;"
@@ -59,16 +97,18 @@ class RequestBuilder:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         else:
             ids = _as_ids(index, prompt)
-        self._check_ids(index, ids)
+        if not ids:
+            raise InvalidRequestError(f"prompt {index} is empty")
         return ids
 
     def _check_ids(self, index: int, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError(f"prompt {index} is empty")
         vocab = self.limits.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:  # C loops; the culprit only when there is one
             bad = next(t for t in ids if t < 0 or t >= vocab)
             raise InvalidRequestError(f"prompt {index} has token id {bad} outside [0, {vocab})")
+        self._check_lengths(index, ids)
+
+    def _check_lengths(self, index: int, ids: list[int]) -> None:
         if len(ids) >= self.limits.max_context:
             raise InvalidRequestError(
                 f"prompt {index} has {len(ids)} tokens; the context length is {self.limits.max_context}, "
@@ -77,6 +117,15 @@ class RequestBuilder:
             raise KVCacheBudgetError(
                 f"prompt {index} has {len(ids)} tokens but the KV cache holds {self.limits.kv_capacity}: "
                 "raise kv_cache_tokens / kv_cache_bytes")
+
+
+def _int64_array(ids: list[list[int]]) -> Optional[np.ndarray]:
+    """The prompts' ids (ints, by their type check) in one int64 array; None when one does not
+    fit in int64 (then it is out of range, and the per-prompt range check names it)."""
+    try:
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, sum(map(len, ids)))
+    except OverflowError:
+        return None
 
 
 def _as_ids(index: int, prompt: Any) -> list[int]:

@@ -1,8 +1,9 @@
 """Per-batch sampling tensors, built once per step from the requests' SamplingParams."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -37,27 +38,67 @@ class SamplingBatchInfo:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
               positions: Sequence[int], vocab_size: int, device: torch.device) -> "SamplingBatchInfo":
-        """Built on the host and moved in three non-blocking copies (one per dtype).
-        `positions`: of the token each row samples."""
-        ints = torch.tensor([[p.top_k if p.top_k > 0 else vocab_size for p in params],
-                             [int(p.is_greedy) for p in params]], dtype=torch.int64)
-        floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+        """Written on the host into one packed array, moved in one non-blocking copy, each
+        tensor a view of it there (`_PACKED`). `positions`: of the token each row samples."""
+        b = len(params)
+        first = params[0] if b else None
+        # rows of one prompt, often of the whole call, share one SamplingParams: read it once
+        distinct = [first] if b and all(p is first for p in params) else params
+        host = np.empty(_layout(b)[0], dtype=np.uint8)
+        fields = _packed_views(host, b)
+        for name, column in _columns(distinct, vocab_size).items():
+            fields[name][:] = column  # one value broadcasts to every row
         hashed = seed_hash(list(seeds))
-        uniforms = torch.from_numpy(uniform_from(None, positions, hashed))
-        ints, floats, uniforms = (_to_device(t, device) for t in (ints, floats, uniforms))
-        top_ks, greedy = ints.unbind(0)
-        temperatures, top_ps, min_ps = floats.unbind(0)
+        fields["uniforms"][:] = uniform_from(None, positions, hashed)
+        if device.type == "cpu":  # the host views are the tensors (one from_numpy each, no slicing)
+            tensors = {name: torch.from_numpy(view) for name, view in fields.items()}
+        else:
+            tensors = _packed_views(_to_device(torch.from_numpy(host), device), b)
         return cls(
-            temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps,
-            greedy=greedy.bool(), uniforms=uniforms,
-            all_greedy=all(p.is_greedy for p in params),
-            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
-            max_top_logprobs=max((p.logprobs for p in params), default=0),
-            any_greedy=any(p.is_greedy for p in params),
-            all_temperature_one=all(p.is_greedy or p.temperature == 1.0 for p in params),
+            **tensors,
+            all_greedy=all(p.is_greedy for p in distinct),
+            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in distinct),
+            max_top_logprobs=max((p.logprobs for p in distinct), default=0),
+            any_greedy=any(p.is_greedy for p in distinct),
+            all_temperature_one=all(p.is_greedy or p.temperature == 1.0 for p in distinct),
             _hashed=hashed,
         )
+
+
+# The batch's tensors as views of one byte array: (name, numpy dtype, torch dtype). Each field
+# starts at a multiple of _ALIGN bytes, as a dtype view needs (and a Triton kernel's pointer
+# arguments are 16-byte aligned whatever the batch size).
+_PACKED = (("uniforms", np.float64, torch.float64), ("top_ks", np.int64, torch.int64),
+           ("temperatures", np.float32, torch.float32), ("top_ps", np.float32, torch.float32),
+           ("min_ps", np.float32, torch.float32), ("greedy", np.bool_, torch.bool))
+_ALIGN = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(b: int) -> tuple[int, tuple[tuple[str, Any, torch.dtype, int, int], ...]]:
+    """Bytes of the packed array of b rows, and each field's (name, dtypes, start, stop) there."""
+    fields, offset = [], 0
+    for name, np_dtype, torch_dtype in _PACKED:
+        size = np.dtype(np_dtype).itemsize * b
+        fields.append((name, np_dtype, torch_dtype, offset, offset + size))
+        offset += -(-size // _ALIGN) * _ALIGN
+    # never 0 bytes: torch gives an empty array stride 0, and no dtype view then
+    return max(offset, _ALIGN), tuple(fields)
+
+
+def _packed_views(buf: Union[np.ndarray, torch.Tensor], b: int) -> dict:
+    """name -> [b] view of the packed byte array `buf` (numpy or torch, uint8)."""
+    numpy = isinstance(buf, np.ndarray)
+    return {name: buf[start:stop].view(np_dtype if numpy else torch_dtype)
+            for name, np_dtype, torch_dtype, start, stop in _layout(b)[1]}
+
+
+def _columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, list]:
+    """The packed fields but the uniforms, one entry per row of `params`."""
+    return dict(top_ks=[p.top_k if p.top_k > 0 else vocab_size for p in params],
+                temperatures=[p.temperature if p.temperature > 0 else 1.0 for p in params],
+                top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
+                greedy=[p.is_greedy for p in params])
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

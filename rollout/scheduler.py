@@ -122,7 +122,7 @@ class Scheduler:
             tokens += need
         if not picked:
             return None
-        fb = self._build(ForwardMode.EXTEND, picked, [r.all_ids for r in picked], [0] * len(picked))
+        fb = self._build(ForwardMode.EXTEND, picked, [r.prefill_ids for r in picked], [0] * len(picked))
         self.running.extend(picked)
         self.stats.prefill_tokens += tokens
         return picked, fb

@@ -161,6 +161,15 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
     "generate: negative token id": (_gen([[-1, 2]]), InvalidRequestError, "token id -1"),
     "generate: bad id in the 2nd prompt": (
         _gen([[1, 2], [3, 9999]]), InvalidRequestError, "prompt 1 has token id 9999"),
+    "generate: token id past int64": (
+        _gen([[1, 2**70]]), InvalidRequestError, f"prompt 0 has token id {2**70} outside"),
+    # prompts are checked in order, each fully: the first bad prompt is named, whatever its fault
+    "generate: bad id before a badly typed prompt": (
+        _gen([[1, 2], [3, 9999], [1.5]]), InvalidRequestError, "prompt 1 has token id 9999"),
+    "generate: prompt over the context before a bad id": (
+        _gen([[1] * 64, [9999]]), InvalidRequestError, "prompt 0 has 64 tokens"),
+    "generate: bad id before a prompt over the context": (
+        _gen([[9999], [1] * 64]), InvalidRequestError, "prompt 0 has token id 9999"),
     "generate: float token id": (
         _gen([[1.5]]), InvalidRequestError, "holds 1.5; token ids must be ints"),
     "generate: bool token id": (_gen([[True, 2]]), InvalidRequestError, "token ids must be ints"),

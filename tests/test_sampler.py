@@ -112,3 +112,40 @@ def test_blocked_inverse_cdf_equals_the_flat_one():
     flat, blocked = inverse_cdf(probs, u), inverse_cdf_blocked(probs, u)
     assert blocked.shape == flat.shape == (64, 1)
     assert torch.equal(blocked, flat)
+
+
+def test_batch_info_rows_hold_their_own_params():
+    """Rows sharing one SamplingParams object (a call's prompts usually do) and rows of their
+    own give each row its params, in the dtypes the sampler reads."""
+    greedy_k = SamplingParams(temperature=0.0, top_k=5)
+    warm = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1, logprobs=2)
+    for params in ([greedy_k] * 3, [warm] * 3, [greedy_k, warm, greedy_k]):
+        info = SamplingBatchInfo.build(params, [1, 2, 3], [4, 5, 6], VOCAB, torch.device("cpu"))
+        assert info.top_ks.dtype == torch.int64 and info.greedy.dtype == torch.bool
+        assert info.temperatures.dtype == info.top_ps.dtype == info.min_ps.dtype == torch.float32
+        assert info.uniforms.dtype == torch.float64
+        assert info.top_ks.tolist() == [p.top_k if p.top_k > 0 else VOCAB for p in params]
+        assert info.greedy.tolist() == [p.is_greedy for p in params]
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32).tolist()  # noqa: E731
+        assert info.temperatures.tolist() == f32([p.temperature or 1.0 for p in params])
+        assert info.top_ps.tolist() == f32([p.top_p for p in params])
+        assert info.min_ps.tolist() == f32([p.min_p for p in params])
+        assert info.uniforms.tolist() == uniform_from([1, 2, 3], [4, 5, 6]).tolist()
+        assert info.all_greedy == all(p.is_greedy for p in params)
+        assert info.max_top_logprobs == max(p.logprobs for p in params)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 64])
+def test_packed_sampling_tensors_viewed_after_the_copy_equal_the_host_ones(rows):
+    """Off the CPU the tensors are views of the one copied byte array: the same values as the
+    host views, each field at a 16-byte-aligned offset."""
+    from rollout.sampling_info import _layout, _packed_views
+    host = np.zeros(_layout(rows)[0], dtype=np.uint8)
+    fields = _packed_views(host, rows)
+    rng = np.random.default_rng(rows)
+    for name, view in fields.items():
+        view[:] = rng.integers(0, 2, rows) if name == "greedy" else rng.integers(1, 100, rows)
+    copied = torch.from_numpy(host.copy())
+    for name, t in _packed_views(copied, rows).items():
+        assert torch.equal(t, torch.from_numpy(fields[name])), name
+        assert (t.data_ptr() - copied.data_ptr()) % 16 == 0, name
