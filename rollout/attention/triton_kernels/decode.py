@@ -221,12 +221,16 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     `ab_eleventh_session_c.json`). At batch 128 with long contexts (twelfth session, alone,
     `benchmarks/gpu_attention.py --keys`): 1,024-1,536 keys a tie with two splits (47.8 vs 48.1
     µs), 3,072-4,096 keys two splits 3.8% faster (117.3 vs 121.9) — the config stays a function
-    of the batch, as a CUDA graph needs."""
+    of the batch, as a CUDA graph needs. Up to 16 requests the first block's earlier keys and
+    values load before the PDL wait (fifteenth session, in the engine at batch 1: decode graph
+    1.0896 -> 1.0842 ms, `benchmarks/ab_fifteenth_session_c.json`; 2 splits or one split of 256
+    keys with the preload lost, 1.1048 / 1.1630; at 17-64 requests it lost, 1.5527 -> 1.5867 at
+    batch 32, `ab_fifteenth_session_b.json`)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
     if batch <= 16:
-        return DecodeConfig(max_splits, num_stages=2)
+        return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
     if batch <= 64:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
     return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2)
