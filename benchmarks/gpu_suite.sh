@@ -262,6 +262,21 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 32} --timeout-s 100 --out "$OUT/ab15b.json" ;;
     ab15c) run ab15c 480 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --timeout-s 100 --out "$OUT/ab15c.json" ;;
+    # the TMA qkv tiles with the rotary in their epilogue: GPU specs, the A/B at decode batches,
+    # then the decode benchmark with the A/B's winner (ROLLOUT_FUSED_QKV_ROPE)
+    final15) run qkv_rope_gpu 170 python3 -m pytest -q -m gpu tests/test_triton_qkv_rope.py \
+              tests/test_triton_gemv.py -p no:cacheprovider
+         run ab15d 320 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --timeout-s 100 --out "$OUT/ab15d.json"
+         mode=$(python3 -c "import json; s = json.load(open('$OUT/ab15d.json'))['summary']; \
+              t = {v: sum(r['graph_replay_ms'] for r in s[v].values()) for v in s}; \
+              print('1' if t['fused'] < t['rotary_kernel'] else 'one_row')" 2>/dev/null || echo one_row)
+         echo "decode with ROLLOUT_FUSED_QKV_ROPE=$mode"
+         export ROLLOUT_FUSED_QKV_ROPE=$mode
+         run decode 240 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out "$OUT/decode.json"
+         unset ROLLOUT_FUSED_QKV_ROPE ;;
     # what each op of a layer costs the decode step (the step without it; decode_ablated.py)
     ablation) run ablation 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_ablation.json \
               --rounds ${ROUNDS:-1} --batch-sizes ${AB_BATCHES:-1 128} --repeats 1 --timeout-s 90 --out "$OUT/ablation.json" ;;

@@ -62,46 +62,65 @@ def fused(x, w, b, cos, sin, loc, heads: QKVHeads, config: Config, dtype):
     return out, kb, vb
 
 
-def assert_same(got, expected):
+def assert_same(got, expected, atol: float = 0.0):
+    """Bit for bit (atol 0), or within atol: the interpreter's fp32 tl.dot is numpy's matmul,
+    whose summation order changes with the tile's shape (the fused TMA kernel's tiles are half
+    as wide as the plain GEMM's); on a GPU the tensor cores sum each output alike."""
     for g, e, name in zip(got, expected, ("qkv", "k buffer", "v buffer")):
-        assert g.dtype == e.dtype and torch.equal(g, e), (
-            f"{name}: {(g != e).sum().item()} of {e.numel()} differ")
+        ok = torch.equal(g, e) if atol == 0 else torch.allclose(g, e, rtol=0, atol=atol)
+        assert g.dtype == e.dtype and ok, f"{name}: {(g != e).sum().item()} of {e.numel()} differ"
 
 
 # ---- CPU (interpreter) and GPU: tiny ragged shapes --------------------------------------------
 CONFIGS = {  # block_n = 2 · rotation pairs a program
     "one_pair": Config(2, 32, preload=2),
     "two_pairs_preload3": Config(4, 16, preload=3),
+    # decode batches: TMA tiles of 16 rows, two weight tiles of 2 / 4 rows (K 40 / 48 against
+    # chunks of 32: zero-filled past K; 17 rows: two M blocks, the second one row)
+    "tma": Config(4, 32, dot=True, block_m=16, tma=True),
+    "tma_wide": Config(8, 16, dot=True, num_stages=4, block_m=16, tma=True),
 }
+ROW_CASES = {"fma": [(1, 48, True), (1, 64, False), (3, 40, True)],
+             "tma": [(3, 48, True), (17, 40, True), (5, 64, False)]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("rows,k,bias", [(1, 48, True), (1, 64, False), (3, 40, True)])
+@pytest.mark.parametrize("config,rows,k,bias", [
+    (c, *r) for c in CONFIGS for r in ROW_CASES["tma" if CONFIGS[c].tma else "fma"]])
 def test_equals_gemv_then_rotary_with_kv_store(dtype, config, rows, k, bias):
     heads = QKVHeads(q=3, kv=2, dim=16)
     args = case(rows, heads, k, dtype, bias, seed=rows + k)
     cfg = CONFIGS[config]
     expected = unfused(*args, heads, cfg, dtype)
-    assert_same(fused(*args, heads, cfg, dtype), expected)
+    interpreted_fp32_dot = cfg.tma and dtype == torch.float32 and DEV.type == "cpu"
+    assert_same(fused(*args, heads, cfg, dtype), expected, atol=1e-5 if interpreted_fp32_dot else 0)
     # the KV buffers changed at the rows' slots only (else this would check nothing)
     kb, vb = kv_buffers(heads, dtype)
     changed = (expected[1] != kb).flatten(1).any(1) | (expected[2] != vb).flatten(1).any(1)
     assert set(changed.nonzero().flatten().tolist()) == set(args[-1].tolist())
 
 
-def test_fused_config_takes_unsplit_fma_configs_only(monkeypatch):
+def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
     heads = QKVHeads(q=12, kv=2, dim=128)
     x = torch.zeros(1, 1536, device=DEV, dtype=torch.bfloat16)
     w = torch.zeros(2048, 1536, device=DEV, dtype=torch.bfloat16)
     assert fused_config(x, w, heads) == triton_gemv._config(1, 2048, 1536)  # the engine's entry
+    batch = torch.zeros(32, 1536, device=DEV, dtype=torch.bfloat16)
+    table = triton_gemv._config(32, 2048, 1536)
+    assert table.tma and table.split_k == 2  # the engine's: split, its sums in the rotary kernel
+    assert fused_config(batch, w, heads) == table._replace(split_k=1)  # here: unsplit
+    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), table._replace(swap_ab=True))
+    assert fused_config(batch, w, heads) is None
     key = (1, 2048, 1536, False)
     for other in (Config(2, 512, 2), Config(3, 512), Config(256, 512), Config(16, 64, dot=True)):
         monkeypatch.setitem(triton_gemv._TUNED, key, other)
         assert fused_config(x, w, heads) is None, other  # split, odd, past a half, tensor cores
     monkeypatch.setitem(triton_gemv._TUNED, key, Config(2, 512))
     assert fused_config(x, w[:2000], heads) is None  # not this head layout
-    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", False)
+    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), table)
+    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "one_row")
+    assert fused_config(x, w, heads) is not None and fused_config(batch, w, heads) is None
+    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "0")
     assert fused_config(x, w, heads) is None
 
 
@@ -125,15 +144,18 @@ def test_bad_inputs_are_refused():
 
 # ---- GPU: the engine's shapes and config -------------------------------------------------------
 @gpu
-def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph():
+@pytest.mark.parametrize("rows", [1, 32, 64, 128])
+def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph(rows):
+    """The engine's configs (one row: FMA; 32-128: TMA), against the plain GEMM with the same
+    config unsplit and the rotary kernel."""
     heads = QKVHeads(q=12, kv=2, dim=128)
-    x, w, b, cos, sin, loc = case(1, heads, 1536, torch.bfloat16, True, seed=5)
+    x, w, b, cos, sin, loc = case(rows, heads, 1536, torch.bfloat16, True, seed=5)
     cfg = fused_config(x, w, heads)
-    assert cfg is not None
+    assert cfg is not None and cfg.tma == (rows > 1)
     expected = unfused(x, w, b, cos, sin, loc, heads, cfg, torch.bfloat16)
     assert_same(fused(x, w, b, cos, sin, loc, heads, cfg, torch.bfloat16), expected)
     kb, vb = kv_buffers(heads, torch.bfloat16)
-    out = torch.empty(1, w.shape[0], device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(rows, w.shape[0], device=DEV, dtype=torch.bfloat16)
     store = triton_ops.KVStore(None, loc, kb, vb)
     qkv_rope(x, w, b, cos, sin, heads, store, cfg, out)  # compile outside the capture
     kb.copy_(kv_buffers(heads, torch.bfloat16)[0])
@@ -148,10 +170,13 @@ def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph():
 
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_gpu_model_logits_equal_with_and_without_the_fused_kernel(tmp_path, monkeypatch, graph):
-    """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers, qkv bias): its one-row
-    decode logits, eager and from the decode CUDA graph, are bit for bit those with the plain
-    GEMV and the rotary kernel (ROLLOUT_FUSED_QKV_ROPE=0), and the fused kernel ran."""
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_model_logits_equal_with_and_without_the_fused_kernel(tmp_path, monkeypatch, graph,
+                                                                  rows):
+    """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers, qkv bias): its decode
+    logits at one row (FMA) and at 64 (TMA, the table's config unsplit there too), eager and
+    from the decode CUDA graph, are bit for bit those with the plain GEMM and the rotary kernel
+    (ROLLOUT_FUSED_QKV_ROPE=0), and the fused kernel ran."""
     from rollout.tiny_model import TinyModelSpec, make_tiny_model
     from tests.test_split_sum import decode_logits
     spec = TinyModelSpec(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
@@ -160,7 +185,7 @@ def test_gpu_model_logits_equal_with_and_without_the_fused_kernel(tmp_path, monk
     calls = []
     real = triton_qkv_rope.qkv_rope
     monkeypatch.setattr(triton_qkv_rope, "qkv_rope", lambda *a: calls.append(1) or real(*a))
-    with_fused = decode_logits(path, 1, graph)
+    with_fused = decode_logits(path, rows, graph)
     assert calls, "the fused kernel never ran"
-    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", False)
-    assert torch.equal(with_fused, decode_logits(path, 1, graph))
+    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "0")
+    assert torch.equal(with_fused, decode_logits(path, rows, graph))

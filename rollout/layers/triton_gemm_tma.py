@@ -54,6 +54,39 @@ def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.c
         dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def tma_sums(x_desc, w_desc, off_m, off_n, off_n2, k_start, K_SPLIT, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+             PAIRED: tl.constexpr, PREC: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] fp32 sums x[off_m:] · W[off_n:]^T over this program's K range
+    (and x · W[off_n2:]^T when PAIRED — the up half of gate/up — else zeros), the tiles loaded
+    by TMA. Past M, N or K: zeros; a split's range ends at the next split's start (K_SPLIT is a
+    multiple of BLOCK_K). SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few
+    rows of x fill the narrow N side instead of padding the 64-row M side of Hopper's wgmma."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
+        x = x_desc.load([off_m, k])
+        w = w_desc.load([off_n, k])
+        if SWAP_AB:
+            acc = tl.dot(w, x.T, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(x, w.T, acc, input_precision=PREC)
+        if PAIRED:
+            w_up = w_desc.load([off_n2, k])
+            if SWAP_AB:
+                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
+            else:
+                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
+    if SWAP_AB:
+        acc, acc_up = acc.T, acc_up.T
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -75,31 +108,8 @@ def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
             _prefetch_l2(W, N + off_n, 2 * N, k_start, k_start + K_SPLIT, K, BLOCK_N,
                          PREFETCH_K)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    # SWAP_AB: the weight tile is the MMA's M side (out^T = W x^T), so a few rows of x fill the
-    # narrow N side instead of padding the 64-row M side of Hopper's wgmma
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # past M, N (gate rows: up rows, unused) or K: zeros / unused; a split's range ends at the
-    # next split's start (K_SPLIT is a multiple of BLOCK_K)
-    for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
-        x = x_desc.load([off_m, k])
-        w = w_desc.load([off_n, k])
-        if SWAP_AB:
-            acc = tl.dot(w, x.T, acc, input_precision=PREC)
-        else:
-            acc = tl.dot(x, w.T, acc, input_precision=PREC)
-        if GATED:  # the up half's rows start at N
-            w_up = w_desc.load([N + off_n, k])
-            if SWAP_AB:
-                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
-            else:
-                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
-    if SWAP_AB:
-        acc, acc_up = acc.T, acc_up.T
+    acc, acc_up = tma_sums(x_desc, w_desc, off_m, off_n, N + off_n, k_start, K_SPLIT, BLOCK_M,
+                           BLOCK_N, BLOCK_K, SWAP_AB, GATED, PREC)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,

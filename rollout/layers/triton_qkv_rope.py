@@ -1,18 +1,22 @@
-"""The one-row qkv projection with the rotary embedding and the KV-cache write in its epilogue.
+"""The qkv projection with the rotary embedding and the KV-cache write in its epilogue (decode).
 
-Why: at batch 1 a decode layer is a chain of short kernels, and the rotary kernel between the
-qkv GEMV and the attention is one more launch, wait and drain on that chain for a few hundred
-bytes of work. The GEMV's programs can do it themselves if each one holds the two rows that a
-rotation pairs: rows d and d + head_dim/2 of one head (HF's rotate-half layout). So a program of
-this kernel streams the weight rows {d .. d+P-1} and {d+half .. d+half+P-1} of one head (the
-FMA GEMV's K loop, `triton_gemv.fma_row_sums`, with the same pointer layout and row count as
-the plain GEMV, so the same sums), adds the bias and rounds as the GEMV does, rotates q and k
-heads as the rotary kernel does (every product rounded, no FMA contraction), and writes q, k
-and v into the qkv output and the step's keys and values into the KV cache.
+Why: a decode layer is a chain of kernels, and the rotary kernel between the qkv GEMM and the
+attention is one more launch, wait and drain on that chain (and at decode batches one more read
+and write of the qkv output). The GEMM's programs can do its work themselves if each one holds
+the two rows that a rotation pairs: rows d and d + head_dim/2 of one head (HF's rotate-half
+layout). So a program here computes the output columns {d .. d+P-1} and {d+half .. d+half+P-1}
+of one head, adds the bias and rounds as the plain GEMM does, rotates q and k heads as the
+rotary kernel does (every product rounded, no FMA contraction), and writes q, k and v into the
+qkv output and the step's keys and values into the KV cache. Two kernels, one per kind of the
+plain GEMM's launch config:
+  * one row: the FMA GEMV's K loop (`triton_gemv.fma_row_sums`), its pointer block being the
+    2·P rows above, as many as the plain GEMV's program has, laid out alike (the same sums);
+  * decode batches: the TMA-fed tensor-core tiles (`triton_gemm_tma.tma_sums` with two weight
+    tiles of P rows, as its fused gate/up takes gate and up), unsplit.
 
-Bit for bit the plain GEMV followed by `triton_ops.apply_rotary_inplace(..., kv=...)` (the
-specs check it). Used where the plain GEMV would run the FMA kernel unsplit (one row) and the
-pool takes a fused KV store; ROLLOUT_FUSED_QKV_ROPE=0 turns it off."""
+Bit for bit the plain GEMM followed by `triton_ops.apply_rotary_inplace(..., kv=...)` (the
+specs check it). Used where `fused_config` says (and the pool takes a fused KV store);
+ROLLOUT_FUSED_QKV_ROPE=0 turns it off, =one_row keeps the one-row kernel only."""
 from __future__ import annotations
 
 import os
@@ -21,12 +25,17 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rollout.layers import triton_gemv
+from rollout.layers import triton_gemm_tma, triton_gemv
 from rollout.layers.triton_ops import KVStore, _round
-from rollout.triton_pdl import launch_options
+from rollout.triton_pdl import launch_options, pdl_wait
 
-FUSED_QKV_ROPE = os.environ.get("ROLLOUT_FUSED_QKV_ROPE", "1") != "0"
+# "1": both kernels; "one_row": the one-row kernel only (decode batches: the GEMM + the rotary
+# kernel); "0": neither
+FUSED_QKV_ROPE = os.environ.get("ROLLOUT_FUSED_QKV_ROPE", "1")
+if FUSED_QKV_ROPE not in ("1", "one_row", "0"):
+    raise ValueError(f"ROLLOUT_FUSED_QKV_ROPE={FUSED_QKV_ROPE!r}: 1, one_row or 0")
 
 
 class QKVHeads(NamedTuple):
@@ -66,26 +75,76 @@ def _qkv_rope_kernel(
                                       False, PRELOAD, False, USE_PDL)
     if HAS_BIAS:
         acc += tl.load(Bias + rows_n).to(tl.float32)[None, :]
+    x1, x2 = tl.split(tl.reshape(_round(acc, Y.dtype.element_ty, COMPILED), [BLOCK_M, PAIRS, 2]))
+    _rotate_and_store(x1, x2, cos, sin, slot, offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym,
+                      stride_kb, stride_vb, Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qkv_rope_tma_kernel(
+    x_desc, w_desc, W, Bias, Y, Cos, Sin, Loc, KBuf, VBuf, M, K, K_SPLIT, stride_ym, stride_ct,
+    stride_st, stride_kb, stride_vb,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, COMPILED: tl.constexpr,
+    PREC: tl.constexpr, PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Decode batches: triton_gemm_tma's tiles, a program's weight tile being the BLOCK_N rows
+    d.. of one head and the BLOCK_N rows d + half.. (M blocks innermost, as there)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    off_m = (tl.program_id(0) % blocks_m) * BLOCK_M
+    tile = tl.program_id(0) // blocks_m
+    per_head = HALF // BLOCK_N
+    head = tile // per_head
+    d0 = (tile % per_head) * BLOCK_N
+    off_n = head * HEAD_DIM + d0
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    rows_m = tl.minimum(offs_m, M - 1)
+    offs_d = d0 + tl.arange(0, BLOCK_N)
+    cos = tl.load(Cos + rows_m[:, None] * stride_ct + offs_d[None, :]).to(tl.float32)
+    sin = tl.load(Sin + rows_m[:, None] * stride_st + offs_d[None, :]).to(tl.float32)
+    slot = tl.load(Loc + rows_m).to(tl.int64)
+    if COMPILED and PREFETCH_K > 0 and off_m == 0:  # as triton_gemm_tma's L2 prefetch
+        n = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+        triton_gemm_tma._prefetch_l2(W, off_n, n, 0, K, K, BLOCK_N, PREFETCH_K)
+        triton_gemm_tma._prefetch_l2(W, off_n + HALF, n, 0, K, K, BLOCK_N, PREFETCH_K)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    acc1, acc2 = triton_gemm_tma.tma_sums(x_desc, w_desc, off_m, off_n, off_n + HALF, 0, K_SPLIT,
+                                          BLOCK_M, BLOCK_N, BLOCK_K, False, True, PREC)
+    if HAS_BIAS:
+        acc1 += tl.load(Bias + off_n + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
+        acc2 += tl.load(Bias + off_n + HALF + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
     dt = Y.dtype.element_ty
-    x1, x2 = tl.split(tl.reshape(_round(acc, dt, COMPILED), [BLOCK_M, PAIRS, 2]))
-    # as the rotary kernel: every product its own rounded tensor (HF's bf16 rotary)
+    _rotate_and_store(_round(acc1, dt, COMPILED), _round(acc2, dt, COMPILED), cos, sin, slot,
+                      offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym, stride_kb, stride_vb,
+                      Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
+
+
+@triton.jit
+def _rotate_and_store(x1, x2, cos, sin, slot, offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym,
+                      stride_kb, stride_vb, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, COMPILED: tl.constexpr):
+    """x1 / x2 [BLOCK_M, P]: the rows' qkv outputs (rounded, bias in) at columns d and d + half
+    of `head` (d = offs_d). q and k heads rotated as the rotary kernel does (every product its
+    own rounded tensor: HF's bf16 rotary), v heads not; all stored into Y, the keys and values
+    also at the rows' KV slots."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = Y.dtype.element_ty
     r1 = _round(_round(x1 * cos, dt, COMPILED) - _round(x2 * sin, dt, COMPILED), dt, COMPILED)
     r2 = _round(_round(x2 * cos, dt, COMPILED) + _round(x1 * sin, dt, COMPILED), dt, COMPILED)
-    rotated = head < Q_HEADS + KV_HEADS  # v heads are not rotated
+    rotated = head < Q_HEADS + KV_HEADS
     o1 = tl.where(rotated, r1, x1)
     o2 = tl.where(rotated, r2, x2)
-    m_ok = (offs_m < M)[:, None] & (offs_d < HALF)[None, :]  # [BLOCK_M, PAIRS]
-    col = head * HEAD_DIM + offs_d[None, :]
-    y = Y + offs_m[:, None] * stride_ym + col
+    m_ok = (offs_m < M)[:, None] & (offs_d < HALF)[None, :]
+    y = Y + offs_m[:, None] * stride_ym + head * HEAD_DIM + offs_d[None, :]
     tl.store(y, o1, mask=m_ok)
     tl.store(y + HALF, o2, mask=m_ok)
     kv_head = head - Q_HEADS  # keys: 0 .. KV_HEADS - 1, values: KV_HEADS .. 2·KV_HEADS - 1
-    kv_heads = tl.full([BLOCK_M, PAIRS], kv_head, tl.int32)  # tensor masks (the interpreter's)
+    kv_heads = tl.full(o1.shape, kv_head, tl.int32)  # tensor masks (the interpreter's)
     is_k = m_ok & (kv_heads >= 0) & (kv_heads < KV_HEADS)
     is_v = m_ok & (kv_heads >= KV_HEADS)
-    in_head = offs_d[None, :]
-    kb = KBuf + slot[:, None] * stride_kb + kv_head * HEAD_DIM + in_head
-    vb = VBuf + slot[:, None] * stride_vb + (kv_head - KV_HEADS) * HEAD_DIM + in_head
+    kb = KBuf + slot[:, None] * stride_kb + kv_head * HEAD_DIM + offs_d[None, :]
+    vb = VBuf + slot[:, None] * stride_vb + (kv_head - KV_HEADS) * HEAD_DIM + offs_d[None, :]
     tl.store(kb, o1.to(KBuf.dtype.element_ty), mask=is_k)
     tl.store(kb + HALF, o2.to(KBuf.dtype.element_ty), mask=is_k)
     tl.store(vb, o1.to(VBuf.dtype.element_ty), mask=is_v)
@@ -94,14 +153,20 @@ def _qkv_rope_kernel(
 
 def fused_config(x: torch.Tensor, weight: torch.Tensor,
                  heads: QKVHeads) -> Optional[triton_gemv.Config]:
-    """The plain GEMV's launch config when this kernel can take its place (an unsplit FMA
-    config whose rows per program pair up within a head's half), else None."""
-    if not (FUSED_QKV_ROPE and x.shape[0] <= triton_gemv.FMA_MAX_M and heads.dim % 2 == 0
+    """The plain GEMM's launch config when this module can take its place, else None: an FMA
+    config (one row) unsplit, or a TMA config (decode batches) not swapped — run unsplit here,
+    its epilogue needing the whole sums — whose rows per program pair up within a head's half.
+    The caller has checked `triton_gemv.supports` (so TMA can read x and the weight)."""
+    if not (FUSED_QKV_ROPE != "0" and heads.dim % 2 == 0
             and weight.shape[0] == (heads.q + 2 * heads.kv) * heads.dim):
         return None
     cfg = triton_gemv._config(x.shape[0], weight.shape[0], x.shape[1])
     pairs = cfg.block_n // 2
-    if cfg.dot or cfg.tma or cfg.split_k != 1 or cfg.block_n % 2 or (heads.dim // 2) % pairs:
+    if cfg.block_n % 2 or (heads.dim // 2) % pairs:
+        return None
+    if cfg.tma:
+        return None if cfg.swap_ab or FUSED_QKV_ROPE != "1" else cfg._replace(split_k=1)
+    if cfg.dot or cfg.split_k != 1 or x.shape[0] > triton_gemv.FMA_MAX_M:
         return None
     return cfg
 
@@ -132,10 +197,21 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     elif out.shape != (M, weight.shape[0]) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous "
                          f"[{M}, {weight.shape[0]}] {x.dtype} tensor")
+    if config.tma:
+        _launch_tma(x, weight, bias, out, cos, sin, heads, kv, config)
+    else:
+        _launch_fma(x, weight, bias, out, cos, sin, heads, kv, config)
+    return out
+
+
+def _launch_fma(x, weight, bias, out, cos, sin, heads: QKVHeads, kv: KVStore,
+                config: triton_gemv.Config) -> None:
+    M, K = x.shape
     pairs = config.block_n // 2
     _, k_split = triton_gemv.split_k_range(K, config)  # whole chunks, as the plain GEMV's loop
     preload = max(1, min(config.preload, k_split // config.block_k))
-    _qkv_rope_kernel[((heads.q + 2 * heads.kv) * half // pairs,)](
+    kb, vb = kv.k_buffer, kv.v_buffer
+    _qkv_rope_kernel[((heads.q + 2 * heads.kv) * (heads.dim // 2) // pairs,)](
         x, weight, bias if bias is not None else out, out, cos, sin, kv.loc, kb, vb, M, K, k_split,
         x.stride(0), out.stride(0), cos.stride(0), sin.stride(0), kb.stride(0), vb.stride(0),
         Q_HEADS=heads.q, KV_HEADS=heads.kv, HEAD_DIM=heads.dim, PAIRS=pairs,
@@ -143,7 +219,25 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, COMPILED=triton_gemv._COMPILED, PRELOAD=preload,
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         **launch_options(preloads_weights=True))
-    return out
+
+
+def _launch_tma(x, weight, bias, out, cos, sin, heads: QKVHeads, kv: KVStore,
+                config: triton_gemv.Config) -> None:
+    M, K = x.shape
+    block_n = config.block_n // 2  # rows a program takes from each half of a head
+    x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, config.block_k])
+    tiles = (heads.q + 2 * heads.kv) * (heads.dim // 2) // block_n
+    kb, vb = kv.k_buffer, kv.v_buffer
+    _qkv_rope_tma_kernel[(triton.cdiv(M, config.block_m) * tiles,)](
+        x_desc, w_desc, weight, bias if bias is not None else out, out, cos, sin, kv.loc, kb, vb,
+        M, K, triton.cdiv(K, config.block_k) * config.block_k, out.stride(0), cos.stride(0),
+        sin.stride(0), kb.stride(0), vb.stride(0),
+        Q_HEADS=heads.q, KV_HEADS=heads.kv, HEAD_DIM=heads.dim, BLOCK_M=config.block_m,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
+        COMPILED=triton_gemm_tma._COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        PREFETCH_K=config.prefetch_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        enable_fp_fusion=False, **launch_options())
 
 
 __all__ = ["qkv_rope", "fused_config", "QKVHeads", "FUSED_QKV_ROPE"]
