@@ -21,7 +21,7 @@ from tests.test_fused_ops import rope  # noqa: E402
 
 require_runnable_triton(triton_qkv_rope._qkv_rope_kernel)
 
-SLOTS = 40
+SLOTS = 160  # KV slots: more than the rows of any case
 
 
 def rand(*shape, dtype, seed, scale=1.0):
@@ -108,8 +108,11 @@ def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
     batch = torch.zeros(32, 1536, device=DEV, dtype=torch.bfloat16)
     table = triton_gemv._config(32, 2048, 1536)
     assert table.tma and table.split_k == 2  # the engine's: split, its sums in the rotary kernel
-    assert fused_config(batch, w, heads) == table._replace(split_k=1)  # here: unsplit
-    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), table._replace(swap_ab=True))
+    assert fused_config(batch, w, heads) is None  # forced unsplit it lost
+    unsplit = table._replace(split_k=1)
+    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), unsplit)
+    assert fused_config(batch, w, heads) == unsplit
+    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), unsplit._replace(swap_ab=True))
     assert fused_config(batch, w, heads) is None
     key = (1, 2048, 1536, False)
     for other in (Config(2, 512, 2), Config(3, 512), Config(256, 512), Config(16, 64, dot=True)):
@@ -117,7 +120,7 @@ def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
         assert fused_config(x, w, heads) is None, other  # split, odd, past a half, tensor cores
     monkeypatch.setitem(triton_gemv._TUNED, key, Config(2, 512))
     assert fused_config(x, w[:2000], heads) is None  # not this head layout
-    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), table)
+    monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), unsplit)
     monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "one_row")
     assert fused_config(x, w, heads) is not None and fused_config(batch, w, heads) is None
     monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "0")
@@ -145,11 +148,13 @@ def test_bad_inputs_are_refused():
 # ---- GPU: the engine's shapes and config -------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("rows", [1, 32, 64, 128])
-def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph(rows):
-    """The engine's configs (one row: FMA; 32-128: TMA), against the plain GEMM with the same
-    config unsplit and the rotary kernel."""
+def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph(rows, monkeypatch):
+    """The engine's configs (one row: FMA; 64-128: TMA; 32: the table's TMA config unsplit),
+    against the plain GEMM with the same config and the rotary kernel."""
     heads = QKVHeads(q=12, kv=2, dim=128)
     x, w, b, cos, sin, loc = case(rows, heads, 1536, torch.bfloat16, True, seed=5)
+    key = (rows, 2048, 1536, False)
+    monkeypatch.setitem(triton_gemv._TUNED, key, triton_gemv._config(*key)._replace(split_k=1))
     cfg = fused_config(x, w, heads)
     assert cfg is not None and cfg.tma == (rows > 1)
     expected = unfused(x, w, b, cos, sin, loc, heads, cfg, torch.bfloat16)

@@ -12,7 +12,10 @@ plain GEMM's launch config:
   * one row: the FMA GEMV's K loop (`triton_gemv.fma_row_sums`), its pointer block being the
     2·P rows above, as many as the plain GEMV's program has, laid out alike (the same sums);
   * decode batches: the TMA-fed tensor-core tiles (`triton_gemm_tma.tma_sums` with two weight
-    tiles of P rows, as its fused gate/up takes gate and up), unsplit.
+    tiles of P rows, as its fused gate/up takes gate and up), where the table's config is
+    unsplit (64-128 rows: in the engine, fifteenth session, decode graph batch 64 1.5743 ->
+    1.5514 ms, batch 128 1.8482 -> 1.8484; forced unsplit at 32 rows it lost, 1.5501 -> 1.5621,
+    benchmarks/ab_fifteenth_session_d.json).
 
 Bit for bit the plain GEMM followed by `triton_ops.apply_rotary_inplace(..., kv=...)` (the
 specs check it). Used where `fused_config` says (and the pool takes a fused KV store);
@@ -154,8 +157,8 @@ def _rotate_and_store(x1, x2, cos, sin, slot, offs_m, M, head, offs_d, Y, KBuf, 
 def fused_config(x: torch.Tensor, weight: torch.Tensor,
                  heads: QKVHeads) -> Optional[triton_gemv.Config]:
     """The plain GEMM's launch config when this module can take its place, else None: an FMA
-    config (one row) unsplit, or a TMA config (decode batches) not swapped — run unsplit here,
-    its epilogue needing the whole sums — whose rows per program pair up within a head's half.
+    config (one row) or a TMA config (decode batches) not swapped, both unsplit (the epilogue
+    needs the whole sums), whose rows per program pair up within a head's half.
     The caller has checked `triton_gemv.supports` (so TMA can read x and the weight)."""
     if not (FUSED_QKV_ROPE != "0" and heads.dim % 2 == 0
             and weight.shape[0] == (heads.q + 2 * heads.kv) * heads.dim):
@@ -164,8 +167,8 @@ def fused_config(x: torch.Tensor, weight: torch.Tensor,
     pairs = cfg.block_n // 2
     if cfg.block_n % 2 or (heads.dim // 2) % pairs:
         return None
-    if cfg.tma:
-        return None if cfg.swap_ab or FUSED_QKV_ROPE != "1" else cfg._replace(split_k=1)
+    if cfg.tma:  # only where the table's config is unsplit: at 32 rows (split in 2) it lost
+        return None if cfg.swap_ab or cfg.split_k != 1 or FUSED_QKV_ROPE != "1" else cfg
     if cfg.dot or cfg.split_k != 1 or x.shape[0] > triton_gemv.FMA_MAX_M:
         return None
     return cfg
