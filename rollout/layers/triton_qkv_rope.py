@@ -66,12 +66,8 @@ def _qkv_rope_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     rows_m = tl.minimum(offs_m, M - 1)  # tail rows re-read a real row and are never stored
     offs_k = tl.arange(0, BLOCK_K)
-    # The step's inputs (cos/sin tables, KV slots) are written before its first kernel, so
-    # they load before the PDL wait, as the weights do.
     offs_d = d0 + tl.arange(0, PAIRS)
-    cos = tl.load(Cos + rows_m[:, None] * stride_ct + offs_d[None, :]).to(tl.float32)
-    sin = tl.load(Sin + rows_m[:, None] * stride_st + offs_d[None, :]).to(tl.float32)
-    slot = tl.load(Loc + rows_m).to(tl.int64)
+    cos, sin, slot = _step_inputs(Cos, Sin, Loc, rows_m, offs_d, stride_ct, stride_st)
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]
     acc, _ = triton_gemv.fma_row_sums(x_ptr, w_ptr, w_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K,
@@ -104,9 +100,7 @@ def _qkv_rope_tma_kernel(
     offs_m = off_m + tl.arange(0, BLOCK_M)
     rows_m = tl.minimum(offs_m, M - 1)
     offs_d = d0 + tl.arange(0, BLOCK_N)
-    cos = tl.load(Cos + rows_m[:, None] * stride_ct + offs_d[None, :]).to(tl.float32)
-    sin = tl.load(Sin + rows_m[:, None] * stride_st + offs_d[None, :]).to(tl.float32)
-    slot = tl.load(Loc + rows_m).to(tl.int64)
+    cos, sin, slot = _step_inputs(Cos, Sin, Loc, rows_m, offs_d, stride_ct, stride_st)
     if COMPILED and PREFETCH_K > 0 and off_m == 0:  # as triton_gemm_tma's L2 prefetch
         n = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
         triton_gemm_tma._prefetch_l2(W, off_n, n, 0, K, K, BLOCK_N, PREFETCH_K)
@@ -121,6 +115,15 @@ def _qkv_rope_tma_kernel(
     _rotate_and_store(_round(acc1, dt, COMPILED), _round(acc2, dt, COMPILED), cos, sin, slot,
                       offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym, stride_kb, stride_vb,
                       Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
+
+
+@triton.jit
+def _step_inputs(Cos, Sin, Loc, rows_m, offs_d, stride_ct, stride_st):
+    """The rows' cos and sin at the columns d = offs_d, and their KV slots. The step's inputs,
+    written before its first kernel: they load before the PDL wait, as the weights do."""
+    cos = tl.load(Cos + rows_m[:, None] * stride_ct + offs_d[None, :]).to(tl.float32)
+    sin = tl.load(Sin + rows_m[:, None] * stride_st + offs_d[None, :]).to(tl.float32)
+    return cos, sin, tl.load(Loc + rows_m).to(tl.int64)
 
 
 @triton.jit
