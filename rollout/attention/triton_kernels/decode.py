@@ -89,8 +89,9 @@ def _decode_partial_kernel(
     first_n = start + tl.arange(0, BLOCK_N)
     first_mask = first_n < end
     if PRELOAD_KV:
-        # and the first block's keys and values but the new token's: earlier steps wrote them
-        # (the slot table too), so these loads stream in while the kernels before this one run
+        # and the first block's slots (the table is written before the step's first kernel)
+        # and its keys and values but the new token's (earlier steps wrote them): these loads
+        # stream in while the kernels before this one run; the new token's come after the wait
         first_slots = tl.load(ReqToToken + row * stride_r2t + first_n, mask=first_mask,
                               other=0).to(tl.int64)
         old = first_mask & (first_n < seq_len - 1)
