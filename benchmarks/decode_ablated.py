@@ -100,17 +100,9 @@ def _ablate_mlp_part(llama, op: str) -> None:
     def forward(self, x):
         n = x.shape[0]
         if op == "down":
-            real_act(self, x)
+            self.activation_cuda(x)
             return out_zeros[:n, :self.down_proj.weight.shape[0]]
         return self.down_proj(act_zeros[:n, :self.inter], defer_split=True)
-
-    def real_act(self, x):
-        w = self.gate_up_proj.weight
-        if self.gate_up_proj.bias is None and llama.use_skinny(x, w, gated=True):
-            from rollout.layers import triton_gemv
-            return triton_gemv.skinny_gate_up_silu(x, w, self.inter)
-        from rollout.layers import triton_ops
-        return triton_ops.silu_and_mul(self.gate_up_proj(x))
     llama.MLP.forward = forward
 
 

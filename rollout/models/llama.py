@@ -119,17 +119,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, SplitSum]:
         """On CUDA the output may be down's split-K partials, summed by the next RMSNorm."""
         if x.is_cuda:
-            w = self.gate_up_proj.weight
-            if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
-                from rollout.layers import triton_gemv
-                act = triton_gemv.skinny_gate_up_silu(x, w, self.inter)
-            else:
-                from rollout.layers import triton_ops
-                act = triton_ops.silu_and_mul(self.gate_up_proj(x))
-            return self.down_proj(act, defer_split=True)
+            return self.down_proj(self.activation_cuda(x), defer_split=True)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
+
+    def activation_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
+        w = self.gate_up_proj.weight
+        if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
+            from rollout.layers import triton_gemv
+            return triton_gemv.skinny_gate_up_silu(x, w, self.inter)
+        from rollout.layers import triton_ops
+        return triton_ops.silu_and_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
