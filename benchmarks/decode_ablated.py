@@ -15,7 +15,8 @@ are then wrong by construction; only the timings mean anything. Run through engi
 Ops: input_norm, post_norm (the residual add + RMSNorm before attention / before the MLP: the
 hidden state becomes the residual itself), qkv (the qkv GEMV with the rotary and the KV store:
 q, k, v become zeros, nothing is written to the KV cache), attention (the decode attention
-kernels: the output becomes zeros), o, gate_up (with its SiLU), down, lm_head; "none" ablates
+kernels: the output becomes zeros), attention_merge (the split-KV merge kernel only: the output
+becomes zeros, the split kernel still runs), o, gate_up (with its SiLU), down, lm_head; "none" ablates
 nothing (the baseline, through the same wrapper)."""
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import sys
 import torch
 
 ROWS = 8448  # a prefill chunk (8,192 tokens) and more: every forward's rows fit the buffers
-OPS = ("none", "input_norm", "post_norm", "qkv", "attention", "o", "gate_up", "down", "lm_head")
+OPS = ("none", "input_norm", "post_norm", "qkv", "attention", "attention_merge", "o", "gate_up",
+       "down", "lm_head")
 
 
 def _zeros(cols: int, rows: int = ROWS) -> torch.Tensor:
@@ -41,6 +43,8 @@ def apply(op: str) -> None:
         _ablate_norm(llama, op)
     elif op in ("qkv", "attention", "o"):
         _ablate_attention_part(llama, op)
+    elif op == "attention_merge":
+        _ablate_attention_merge()
     elif op in ("gate_up", "down"):
         _ablate_mlp_part(llama, op)
     elif op == "lm_head":
@@ -92,6 +96,22 @@ def _ablate_attention_part(llama, op: str) -> None:
         with llama.pdl_policy.preloaders_early():
             return self.o_proj(out, defer_split=True)
     llama.DecoderAttention.forward = forward
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _ablate_attention_merge() -> None:
+    from rollout.attention import triton_backend
+    from rollout.attention.triton_kernels import decode
+    decode._decode_reduce_kernel = _NoLaunch()
+    zeros, real = _zeros(4096), triton_backend.decode_attention
+
+    def decode_attention(q, *args, **kwargs):  # into zeros: finite logits, valid tokens
+        return real(q, *args, out=zeros.view(-1)[:q.numel()].view(q.shape), **kwargs)
+    triton_backend.decode_attention = decode_attention
 
 
 def _ablate_mlp_part(llama, op: str) -> None:

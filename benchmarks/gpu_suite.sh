@@ -280,6 +280,12 @@ for stage in "$@"; do
     # what each op of a layer costs the decode step (the step without it; decode_ablated.py)
     ablation) run ablation 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fifteenth_session_ablation.json \
               --rounds ${ROUNDS:-1} --batch-sizes ${AB_BATCHES:-1 128} --repeats 1 --timeout-s 90 --out "$OUT/ablation.json" ;;
+    # a generate call laid out on the GPU's timeline: prefill, steps, idle gaps, sampler, tail
+    timeline) run timeline 300 python3 benchmarks/step_timeline.py --batch-sizes ${TL_BATCHES:-1 128} \
+              --out "$OUT/timeline.json" ;;
+    # sixteenth session: the attention's merge kernel's cost to the step (ablated), batch 1
+    ab16-merge) run ab16_merge 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_merge.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --repeats 2 --timeout-s 90 --out "$OUT/ab16_merge.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -1,0 +1,138 @@
+"""Where a generate call's wall time goes on the GPU's timeline: the decode benchmark's call (prompt
+128, 128 new tokens, sampling) under torch.profiler, its kernels and copies laid on one time
+axis with the call's own range.
+
+The decode graph's replay time alone (decode_throughput's `graph_replay_ms`) times 127 steps
+leaves several ms of a batch-1 call unexplained; this splits the call into: the host's lead
+before the first GPU work, the prefill (up to the first sampled token), the decode steps (each
+ending with the sampler's last kernel), the GPU's idle gaps inside them (and the kernels on both
+sides of the largest), the GPU time outside the decode graph's kernels (sampler, copies), and
+the tail after the last GPU work.
+
+  python benchmarks/step_timeline.py --batch-sizes 1 128 --out $OUT/timeline.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmarks.decode_throughput import gpu_engine, prompts_for
+from rollout import SamplingParams
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+STEP_END = "_pick"  # the sampler's last kernel: one per step (prefill's first token included)
+SAMPLER = ("_chunk_max", "_chunk_sum", "_pick")
+
+
+def gpu_events(trace: dict) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel, copy and memset, by start."""
+    evs = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
+           if e.get("cat") in GPU_CATS]
+    return sorted(evs)
+
+
+def call_range(trace: dict, name: str) -> tuple[float, float]:
+    ev = next(e for e in trace["traceEvents"] if e.get("name") == name and e.get("ph") == "X"
+              and e.get("cat") == "user_annotation")
+    return ev["ts"], ev["ts"] + ev["dur"]
+
+
+def busy_and_gaps(evs, start: float, end: float):
+    """GPU-busy µs (union of intervals) in [start, end] and the idle gaps: (µs, before, after)."""
+    busy, gaps, cur_end, prev = 0.0, [], start, "window start"
+    for s, e, n in evs:
+        if e <= start or s >= end:
+            continue
+        s, e = max(s, start), min(e, end)
+        if s > cur_end:
+            gaps.append((s - cur_end, prev, n))
+        if e > cur_end:
+            busy += e - max(s, cur_end)
+            cur_end, prev = e, n
+    if end > cur_end:
+        gaps.append((end - cur_end, prev, "call end"))
+    return busy, gaps
+
+
+def short(name: str) -> str:
+    return name if len(name) <= 60 else name[:57] + "..."
+
+
+def analyse(trace: dict, new_tokens: int) -> dict:
+    t0, t1 = call_range(trace, "generate_call")
+    evs = [ev for ev in gpu_events(trace) if t0 <= ev[0] <= t1]
+    picks = [e for s, e, n in evs if n.startswith(STEP_END)]
+    first_gpu, last_gpu = evs[0][0], max(e for _, e, _ in evs)
+    prefill_end = picks[0] if picks else last_gpu
+    steps = [b - a for a, b in zip(picks, picks[1:])]
+    busy, gaps = busy_and_gaps(evs, first_gpu, last_gpu)
+    decode_busy, decode_gaps = busy_and_gaps(evs, prefill_end, picks[-1] if picks else last_gpu)
+    outside = collections.Counter()
+    for s, e, n in evs:
+        if s >= prefill_end and (n.startswith(SAMPLER) or not n.startswith(("triton", "_"))
+                                 or "memcpy" in n.lower() or "memset" in n.lower()):
+            outside[short(n)] += e - s
+    gap_pairs = collections.Counter()
+    for g, a, b in decode_gaps:
+        gap_pairs[f"{short(a)} -> {short(b)}"] += g
+    ms = lambda us: round(us / 1e3, 4)  # noqa: E731
+    return {
+        "call_ms": ms(t1 - t0),
+        "host_lead_ms": ms(first_gpu - t0),
+        "prefill_and_first_token_ms": ms(prefill_end - first_gpu),
+        "decode_ms": ms((picks[-1] if picks else last_gpu) - prefill_end),
+        "tail_ms": ms(t1 - (picks[-1] if picks else last_gpu)),
+        "steps": len(steps),
+        "step_ms_median": ms(sorted(steps)[len(steps) // 2]) if steps else None,
+        "step_ms_min": ms(min(steps)) if steps else None,
+        "gpu_busy_ms": ms(busy),
+        "decode_idle_ms": ms(sum(g for g, _, _ in decode_gaps)),
+        "decode_idle_by_neighbours_ms": {k: ms(v) for k, v in gap_pairs.most_common(8)},
+        "decode_outside_graph_kernels_ms": {k: ms(v) for k, v in outside.most_common(12)},
+        "gpu_events": len(evs),
+        "new_tokens": new_tokens,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2-1.5b")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default="timeline.json")
+    args = p.parse_args()
+    engine = gpu_engine(args.shape, max(args.batch_sizes))
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    result = {}
+    for bs in args.batch_sizes:
+        prompts = prompts_for(bs, args.prompt_len, engine.model_config.vocab_size)
+        for _ in range(2):
+            engine.generate(prompts, sp)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.generate(prompts, sp)
+        torch.cuda.synchronize()
+        plain_ms = (time.perf_counter() - t) * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("generate_call"):
+                engine.generate(prompts, sp)
+                torch.cuda.synchronize()
+        path = Path(tempfile.mkdtemp()) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        row = {"call_ms_unprofiled": round(plain_ms, 3)} | analyse(json.loads(path.read_text()),
+                                                                    args.new_tokens)
+        result[str(bs)] = row
+        print(f"bs={bs}: " + json.dumps(row, indent=1), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
