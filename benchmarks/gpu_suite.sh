@@ -286,11 +286,6 @@ for stage in "$@"; do
     # sixteenth session: the attention's merge kernel's cost to the step (ablated), batch 1
     ab16-merge) run ab16_merge 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_merge.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --repeats 2 --timeout-s 90 --out "$OUT/ab16_merge.json" ;;
-    # o merging the attention's splits (batch 1): its specs, then the engine A/B
-    attn-o-test) run attn_o_test 200 python3 -m pytest -q -m gpu tests/test_triton_attn_o.py tests/test_split_sum.py \
-              -p no:cacheprovider ;;
-    ab16b) run ab16b 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_b.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 90 --out "$OUT/ab16b.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

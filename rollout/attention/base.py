@@ -3,21 +3,13 @@ layer's attention for that batch; the KV of the new tokens is written through th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
     from rollout.layers.attention import Attention
-
-
-class DecodePartials(NamedTuple):
-    """A decode attention left unmerged: per split of each head's keys, the normalised output and
-    its log-sum-exp (fp32), for a reader that merges them itself (triton_attn_o)."""
-    part_o: torch.Tensor  # [batch, heads, splits, head_dim]
-    part_lse: torch.Tensor  # [batch, heads, splits]
-    seq_lens: torch.Tensor  # [batch]: splits past a request's keys are unwritten, weigh 0
 
 
 class AttentionBackend(ABC):
@@ -45,14 +37,6 @@ class AttentionBackend(ABC):
         if fb.forward_mode.is_decode:
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)
-
-    def decode_partials(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        layer: "Attention", fb: "ForwardBatch",
-                        kv_stored: bool = False) -> Optional[DecodePartials]:
-        """A decode batch's attention as split partials, where this backend splits the batch's
-        keys (then k and v are stored as `forward` stores them); None otherwise, having done
-        nothing (the caller then calls `forward`)."""
-        return None
 
     # CUDA-graph hooks: backends that support decode graphs override these.
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rollout.attention.base import AttentionBackend, DecodePartials
+from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
-                                                      decode_launch_config, decode_partials,
-                                                      launch_table_from_env)
+                                                      decode_launch_config, launch_table_from_env)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -89,22 +88,6 @@ class TritonBackend(AttentionBackend):
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.seq_lens, layer.scaling,
             buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]))
-
-    def decode_partials(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        layer: "Attention", fb: "ForwardBatch",
-                        kv_stored: bool = False) -> Optional[DecodePartials]:
-        if not fb.forward_mode.is_decode:
-            return None
-        config = self.decode_config(q.shape[0])
-        if config.splits < 2:
-            return None
-        if not kv_stored:
-            fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        m, pool = self.meta, fb.token_to_kv_pool
-        part_o, part_lse = decode_partials(
-            q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
-            m.req_pool_indices, m.seq_lens, layer.scaling, config, (m.part_o, m.part_lse))
-        return DecodePartials(part_o, part_lse, m.seq_lens)
 
     def decode_config(self, batch: int) -> DecodeConfig:
         """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA

@@ -1,12 +1,9 @@
 """The attention op of one layer: a handle that the backend serves (SGLang's RadixAttention)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
-from rollout.attention.base import DecodePartials
 from rollout.forward_batch import ForwardBatch
 
 
@@ -23,9 +20,3 @@ class Attention(nn.Module):
         are already in the KV pool (written by the rotary kernel)."""
         out = fb.attn_backend.forward(q, k, v, self, fb, kv_stored)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-
-    def decode_partials(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        fb: ForwardBatch, kv_stored: bool = False) -> Optional[DecodePartials]:
-        """The backend's split partials of a decode (`AttentionBackend.decode_partials`), or None
-        having done nothing."""
-        return fb.attn_backend.decode_partials(q, k, v, self, fb, kv_stored)

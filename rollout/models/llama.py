@@ -40,32 +40,12 @@ class DecoderAttention(nn.Module):
         qk, v, kv_stored = (self._qkv_rotary_cuda(rope, x, fb) if x.is_cuda
                             else self._qkv_rotary_cpu(rope, x))
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        if (merged := self._attention_merged_by_o(q, k, v, fb, kv_stored)) is not None:
-            return merged
         out = self.attn(q, k, v, fb, kv_stored)
         # o lets the kernels after it launch before its PDL wait, even at one row where its GEMV
         # preloads weights: the MLP's gate/up then loads its weights during o (pdl_policy).
         # Read by the post-attention add + RMSNorm, which can sum split-K partials itself.
         with pdl_policy.preloaders_early():
             return self.o_proj(out, defer_split=True)
-
-    def _attention_merged_by_o(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               fb: ForwardBatch, kv_stored: bool) -> Optional[SplitSum]:
-        """At one decode row, where the backend leaves split partials and o would be the
-        one-row GEMV: o merges them itself (triton_attn_o), no merge kernel; else None, having
-        done nothing."""
-        w = self.o_proj.weight
-        if (q.shape[0] != 1 or not q.is_cuda or self.o_proj.tp.size > 1 or self.o_proj.bias
-                is not None or q.dtype != w.dtype or not use_skinny(q.reshape(1, -1), w)):
-            return None
-        from rollout.layers import triton_attn_o  # lazily: triton only where CUDA runs
-        if triton_attn_o.ENV_CONFIG is None:
-            return None
-        parts = self.attn.decode_partials(q, k, v, fb, kv_stored)
-        if parts is None:
-            return None
-        with pdl_policy.preloaders_early():  # as o's GEMV (see forward)
-            return triton_attn_o.merge_o(parts, w, triton_attn_o.ENV_CONFIG)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q and k heads [n, heads + kv_heads, d], v heads [n, kv_heads, d]) views of qkv."""

@@ -134,31 +134,6 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def merge_splits(PartO, PartLse, o_base, lse_base, stride_ps, seq_len, offs_d, d_mask,
-                 BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """One (request, head)'s split results merged in split order: (the [BLOCK_D] fp32 weighted
-    sum of the partial outputs, the sum of the weights); the output is their quotient. `o_base`
-    and `lse_base` point at the head's split 0 of PartO and PartLse."""
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        # empty splits were never written (garbage, maybe NaN): they must weigh exactly 0
-        valid = split * split_len < seq_len
-        lse = tl.load(PartLse + lse_base + split, mask=valid, other=float("-inf"))
-        part = tl.load(PartO + o_base + split * stride_ps + offs_d, mask=d_mask, other=0.0)
-        part = tl.where(valid, part, 0.0)  # not `valid & d_mask`: the interpreter mistypes it
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp(m_i - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + w * part
-        l_i = l_i * alpha + w
-        m_i = m_new
-    return acc, l_i
-
-
-@triton.jit
 def _decode_reduce_kernel(
     PartO, PartLse, SeqLens, O,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -169,11 +144,26 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    acc, l_i = merge_splits(PartO, PartLse, b * stride_pb + head * stride_ph,
-                            b * stride_lb + head * stride_lh, stride_ps, seq_len, offs_d, d_mask,
-                            BLOCK_D, NUM_SPLITS)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        # empty splits were never written (garbage, maybe NaN): they must weigh exactly 0
+        valid = split * split_len < seq_len
+        lse = tl.load(PartLse + b * stride_lb + head * stride_lh + split, mask=valid,
+                      other=float("-inf"))
+        part = tl.load(PartO + b * stride_pb + head * stride_ph + split * stride_ps + offs_d,
+                       mask=d_mask, other=0.0)
+        part = tl.where(valid, part, 0.0)  # not `valid & d_mask`: the interpreter mistypes it
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha + w * part
+        l_i = l_i * alpha + w
+        m_i = m_new
     tl.store(O + b * stride_ob + head * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty),
              mask=d_mask)
 
@@ -265,73 +255,37 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
     [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
     batch); `buffers` from `decode_buffers` (made here if None), with room for its splits."""
-    check_kv(q, k_buffer, v_buffer)
+    group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
-    part_o, part_lse = _scratch(q, config, buffers)
-    if config.splits == 1:
-        # one split: the kernel normalises and writes the output itself (what the merge of a
-        # single split computes, bit for bit), one kernel instead of two
-        _launch_partials(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                         sm_scale, config, out, (out.stride(0), out.stride(1), 0), part_lse)
-        return out
-    decode_partials(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                    config, (part_o, part_lse))
-    _decode_reduce_kernel[(batch, heads)](
-        part_o, part_lse, seq_lens, out,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_dmodel(head_dim), NUM_SPLITS=config.splits, num_warps=4,
-        **launch_options())
-    return out
-
-
-def _scratch(q: torch.Tensor, config: DecodeConfig,
-             buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    part_o, part_lse = buffers or decode_buffers(q.shape[0], q.shape[1], q.shape[2],
-                                                 config.splits, q.device)
-    if part_o.shape[2] < config.splits:
-        raise ValueError(f"scratch for {part_o.shape[2]} splits, {config.splits} asked")
-    return part_o, part_lse
-
-
-def decode_partials(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor, sm_scale: float, config: DecodeConfig,
-                    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 alone, `config.splits` >= 2 splits: (part_o [batch, heads, splits, head_dim],
-    part_lse [batch, heads, splits]) fp32, views of `buffers` (made here if None), for a reader
-    that merges them itself (`merge_splits`: triton_attn_o's o projection). Splits past a short
-    sequence's end are left unwritten; the merge weighs them 0 from `seq_lens`."""
-    check_kv(q, k_buffer, v_buffer)
-    if config.splits < 2:
-        raise ValueError(f"partials need at least two splits, the config has {config.splits}")
-    batch = q.shape[0]
-    part_o, part_lse = _scratch(q, config, buffers)
-    if batch:
-        _launch_partials(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                         sm_scale, config, part_o,
-                         (part_o.stride(0), part_o.stride(1), part_o.stride(2)), part_lse)
-    return part_o[:batch, :, :config.splits], part_lse[:batch, :, :config.splits]
-
-
-def _launch_partials(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                     config: DecodeConfig, dest: torch.Tensor, dest_strides: tuple[int, int, int],
-                     part_lse: torch.Tensor) -> None:
-    """The split kernel over `q`'s batch, writing `dest` (the output itself with one split)."""
-    batch, heads, head_dim = q.shape
-    group = heads // k_buffer.shape[1]
-    _decode_partial_kernel[(batch, k_buffer.shape[1], config.splits)](
+    num_splits = config.splits
+    part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
+    if part_o.shape[2] < num_splits:
+        raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
+    block_d = block_dmodel(head_dim)
+    # one split: the kernel normalises and writes the output itself (what the merge of a single
+    # split computes, bit for bit), one kernel instead of two
+    direct = num_splits == 1
+    dest, dest_strides = (out, (out.stride(0), out.stride(1), 0)) if direct else (
+        part_o, (part_o.stride(0), part_o.stride(1), part_o.stride(2)))
+    _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         *dest_strides, part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_dmodel(head_dim),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
-        NUM_SPLITS=config.splits, PRECISION=dot_precision(q.dtype),
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
         PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_options())
+    if direct:
+        return out
+    _decode_reduce_kernel[(batch, heads)](
+        part_o, part_lse, seq_lens, out,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **launch_options())
+    return out
