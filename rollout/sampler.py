@@ -18,7 +18,7 @@ import torch
 
 from rollout.sampling_info import SamplingBatchInfo
 
-# CUDA, no filter and no top-logprobs: three Triton kernels (`triton_sampler`) instead of ~20
+# CUDA, no filter and no top-logprobs: two Triton kernels (`triton_sampler`) instead of ~20
 # torch ops. ROLLOUT_FUSED_SAMPLER=0: the torch path everywhere.
 FUSED_GPU_SAMPLER = os.environ.get("ROLLOUT_FUSED_SAMPLER", "1") != "0"
 

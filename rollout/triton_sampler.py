@@ -1,20 +1,36 @@
-"""The sampler's common case on a GPU in three Triton kernels: no top-k/top-p/min-p filter and no
+"""The sampler's common case on a GPU in two Triton kernels: no top-k/top-p/min-p filter and no
 top-logprobs (RL rollouts at a temperature; greedy rows too).
 
 The torch path (`sampler.sample`) is ~20 small kernels a step: softmax, a padded copy, float64
 block sums, cumsums, searchsorteds, gathers, an argmax, where... (≈0.43 ms a step at batch 128 ×
-152k vocabulary on an H200, ≈0.1 ms at batch 1, plus a host launch each). Here:
-  1. `_chunk_max`: per chunk of CHUNK tokens of each row, the max of logits/T and its first index;
-  2. `_chunk_sum`: the row's max m from (1), then per chunk the fp32 sum of exp(logits/T - m);
-  3. `_pick`: per row, float64 prefix sums of the chunk sums pick the chunk where u * total
-     falls, a float64 prefix sum inside that chunk (of the same fp32 terms as (2)) picks the
-     token; greedy rows take the argmax. logprob = logits/T - m - log(total).
+152k vocabulary on an H200, ≈0.1 ms at batch 1, plus a host launch each). Here, x = logits / T:
+  1. `_chunk_stats`: per chunk c of CHUNK tokens of each row, its max m_c, the first index of
+     it, and the fp32 sum s_c of exp(x - m_c). Each chunk's sum is taken in its own max frame,
+     so the row's max is not needed first and the logits are read once (reading them is this
+     kernel's whole cost: 39 MB at batch 128 in bf16).
+  2. `_pick`: per row, m = max m_c (the argmax: the first index of the first chunk holding
+     it); in float64, w_c = s_c · exp(m_c - m) and total = Σ w_c; the prefix sums of w pick the
+     chunk where u · total falls, then in that chunk the same fp32 terms exp(x - m_c), their
+     float64 prefix sums times exp(m_c - m) added to the mass before it, pick the first token
+     whose sum exceeds u · total (and whose term is not 0); greedy rows take the argmax, and so
+     does u · total rounded up to total. logprob = x_token - m - log(total). Every load but the
+     chosen chunk's is issued at once: two latencies of memory a row (`_pick_two_pass` waits
+     on seven, one after another).
 The same distribution as the torch path — inverse CDF in vocabulary order at the row's uniform
 from (seed, position), sums in float64 — up to the order of the additions and expf's last bit,
-so a draw can differ where u * total lies within rounding of a token boundary. Rows are
-independent: a request draws the same token whatever else is in the batch. No host syncs.
+so a draw can differ where u · total lies within rounding of a token boundary (and a token
+more than 87 below the max, where torch's fp32 exp(x - m) underflows, can keep its negligible
+mass here, through its chunk's float64 exp(m_c - m)). Rows are independent: a request draws the
+same token whatever else is in the batch. No host syncs.
+
+ROLLOUT_SAMPLER_PASSES=2 (read at import; default 1) computes the statistics in the two reads
+of the logits that `_chunk_stats` replaced, for an A/B on a GPU: `_chunk_max` (m_c and its first
+index), `_chunk_sum` (the fp32 sum of exp(x - m) in the row's frame), then `_pick_two_pass`
+(`_pick` with every exp(m_c - m) = 1, its loads one after another, x_token read again).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,7 +38,91 @@ import triton.language as tl
 
 from rollout.triton_pdl import launch_options, pdl_wait
 
-CHUNK = 2048  # tokens per program of kernels 1 and 2
+CHUNK = 2048  # tokens per program of the statistics kernels
+
+_PASSES = os.environ.get("ROLLOUT_SAMPLER_PASSES", "1")
+if _PASSES not in ("1", "2"):
+    raise ValueError(f"ROLLOUT_SAMPLER_PASSES={_PASSES!r}: 1 (one read of the logits) or 2 (two)")
+PASSES = int(_PASSES)
+
+
+@triton.jit
+def _scaled_logits(Logits, stride_row, row, offs, V, t):
+    """logits / T of `row` at `offs` in float32; -inf past the vocabulary."""
+    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
+                other=float("-inf")).to(tl.float32)
+    return x / t
+
+
+@triton.jit
+def _terms(x, m_c):
+    """exp(x - m_c) in fp32: a chunk's softmax terms in its own max frame, the same values where
+    `_chunk_stats` sums them and where `_pick` scans them. A chunk of -inf logits only has
+    zeros (not exp(-inf - -inf) = NaN)."""
+    return tl.exp(x - tl.where(m_c == float("-inf"), 0.0, m_c))
+
+
+@triton.jit
+def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    row, c = tl.program_id(0), tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row))
+    m_c = tl.max(x, axis=0)
+    tl.store(CMax + row * C + c, m_c)
+    tl.store(CIdx + row * C + c, tl.min(tl.where(x == m_c, offs, V), axis=0))
+    tl.store(CSum + row * C + c, tl.sum(_terms(x, m_c), axis=0))
+
+
+@triton.jit
+def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B, V, C,
+          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+          USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    row = tl.program_id(0)
+    cs = tl.arange(0, BLOCK_C)
+    # every load but the chosen chunk's, before the first reduction: their latencies overlap,
+    # where one after another (a reduction's barrier between two) they would be most of a row's
+    # time at small batches
+    t, u, greedy = tl.load(Temps + row), tl.load(U + row), tl.load(Greedy + row)
+    cmax = tl.load(CMax + row * C + cs, mask=cs < C, other=float("-inf"))
+    cidx = tl.load(CIdx + row * C + cs, mask=cs < C, other=V)
+    csum = tl.load(CSum + row * C + cs, mask=cs < C, other=0.0)
+    m = tl.max(cmax, axis=0)
+    # first index of the row's max: the first chunk holding m, then its first index
+    argmax = tl.min(tl.where(cmax == m, cidx, V), axis=0)
+    # from each chunk's max frame to the row's in float64, where exp(m_c - m) does not underflow
+    # for chunks far below the max (a low temperature)
+    scale = tl.exp(cmax.to(tl.float64) - m.to(tl.float64))
+    mass = csum.to(tl.float64) * scale
+    prefix = tl.cumsum(mass, axis=0)
+    total = tl.max(prefix, axis=0)  # prefix sums of non-negative terms: the last is the largest
+    target = u * total
+    chunk = tl.minimum(tl.min(tl.where(prefix > target, cs, BLOCK_C), axis=0), C - 1)
+    chosen = cs == chunk
+    before = tl.sum(tl.where(chosen, prefix - mass, 0.0), axis=0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = _scaled_logits(Logits, stride_row, row, offs, V, t)
+    p = _terms(x, tl.max(tl.where(chosen, cmax, float("-inf")), axis=0))
+    # the chunk's prefix sums brought to the row's frame as its mass was
+    cdf = before + tl.sum(tl.where(chosen, scale, 0.0), axis=0) * tl.cumsum(p.to(tl.float64), axis=0)
+    hit = tl.min(tl.where((cdf > target) & (p > 0), offs, V), axis=0)
+    # u * total rounded up to total (u within 2^-53 of 1): the likeliest token, as the torch path
+    token = tl.where(hit < V, hit, argmax)
+    token = tl.where(greedy != 0, argmax, token)
+    # x at the argmax is m itself, any other token's is in the chunk just loaded: no read of the
+    # logits after that one (another latency of memory)
+    x_tok = tl.where(token == argmax, m, tl.max(tl.where(offs == token, x, float("-inf")), axis=0))
+    logprob = (x_tok - m) - tl.log(total.to(tl.float32))
+    tl.store(Tokens + row, token.to(tl.int64))
+    tl.store(Logprobs + row, logprob)
+    # [2, B] float64 (token ids are exact in float64): the step's one copy to the host
+    tl.store(Packed + row, token.to(tl.float64))
+    tl.store(Packed + B + row, logprob.to(tl.float64))
+
+
+# ROLLOUT_SAMPLER_PASSES=2: the kernels `_chunk_stats` and `_pick` replaced, as they were
 
 
 @triton.jit
@@ -60,9 +160,9 @@ def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B, V, C,
-          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-          USE_PDL: tl.constexpr):
+def _pick_two_pass(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B,
+                   V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0)
     t = tl.load(Temps + row)
@@ -96,11 +196,13 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
 
 
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      uniforms: torch.Tensor, passes: int = PASSES
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] float32, bf16 or fp16 (rows contiguous; read as exactly those values in
     float32), temperatures [B] float32 (1.0 on greedy rows),
     greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
-    stacked as [2, B] float64 for the copy to the host)."""
+    stacked as [2, B] float64 for the copy to the host). `passes`: reads of the logits for the
+    statistics, 1 or 2 (ROLLOUT_SAMPLER_PASSES)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
     block_c = triton.next_power_of_2(chunks)
@@ -112,13 +214,19 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     packed = torch.empty(2, rows, dtype=torch.float64, device=dev)
     stride = logits.stride(0)
-    _chunk_max[(rows, chunks)](logits, stride, temperatures, cmax, cidx, vocab, chunks, CHUNK=CHUNK,
-                               num_warps=8, **launch_options())
-    _chunk_sum[(rows, chunks)](logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK,
-                               BLOCK_C=block_c, num_warps=8, **launch_options())
-    _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens, logprobs,
-                   packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8,
-                   **launch_options())
+    if passes == 1:
+        _chunk_stats[(rows, chunks)](logits, stride, temperatures, cmax, cidx, csum, vocab, chunks,
+                                     CHUNK=CHUNK, num_warps=8, **launch_options())
+        pick = _pick
+    else:
+        _chunk_max[(rows, chunks)](logits, stride, temperatures, cmax, cidx, vocab, chunks, CHUNK=CHUNK,
+                                   num_warps=8, **launch_options())
+        _chunk_sum[(rows, chunks)](logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK,
+                                   BLOCK_C=block_c, num_warps=8, **launch_options())
+        pick = _pick_two_pass
+    pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens, logprobs,
+                  packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8,
+                  **launch_options())
     return tokens, logprobs, packed
 
 
