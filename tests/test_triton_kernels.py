@@ -307,7 +307,8 @@ GRAPH_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9]]  # 5 requests: replays the graph of 
 def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     """The CudaGraphRunner's bookkeeping (static buffers, padding 5 -> 8, backend replay hook)
     without CUDA: each "graph" re-runs the forward eagerly on the static buffers, which is
-    exactly what a captured graph would read."""
+    exactly what a captured graph would read. The backend's graph metadata reads the request
+    rows and seq_lens in the static input table itself (no copies of its own)."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
@@ -321,6 +322,10 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     assert graphed.runner.graph_runner.num_replays == 3
     assert g_tokens == e_tokens
     assert (g_logits - e_logits).abs().max().item() <= 1e-5
+    meta, inputs = graphed.runner.attn_backend.meta, graphed.runner.graph_runner.inputs
+    assert meta.req_pool_indices.data_ptr() == inputs.req_pool_indices.data_ptr()
+    assert meta.seq_lens.data_ptr() == inputs.seq_lens.data_ptr()
+    assert meta.seq_lens.tolist() == graphed.lens + [1] * 3  # the padded rows' length
 
 
 def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
