@@ -5,7 +5,8 @@ Both builders write the step's int64 index vectors into one numpy array (a small
 costs ~1 µs, a small torch op ~5 µs), which becomes a tensor with one `from_numpy` — no
 per-field tensor, no `torch.cat` — and goes to the device in one copy. `build_batch` serves
 every mode; `build_decode_batch` is the decode step's fast path (one token per request, host
-ints in)."""
+ints in), whose copy also carries the sampling uniforms when the rows keep their
+SamplingBatchInfo: one host-to-device copy a step."""
 from __future__ import annotations
 
 import itertools
@@ -86,13 +87,20 @@ def build_decode_batch(rows: list[int], tokens: list[int], kv_lens: list[int], a
     """A DECODE batch: request i (KV row `rows[i]`, `kv_lens[i]` tokens cached) computes token
     `tokens[i]` at position `kv_lens[i]`. The same ForwardBatch as `build_batch(DECODE, rows,
     [[t] for t in tokens], kv_lens, ...)`, built from the host lists in a few numpy writes.
-    Returns None (nothing allocated) if the slots do not fit."""
+    Returns None (nothing allocated) if the slots do not fit.
+
+    `sampling_info`: these rows' SamplingBatchInfo from their previous decode step, attached to
+    the batch with its uniforms moved on to this step's positions: they travel as a float64 row
+    after the indices, in the same copy (the rest of its tensors stay as they are)."""
     b = len(rows)
     slots = allocator.alloc_decode(rows, kv_lens)
     if slots is None:
         return None
     seq_lens = [n + 1 for n in kv_lens]
-    host = np.empty((len(INDEX_FIELDS), b), dtype=np.int64)  # rows in INDEX_FIELDS order
+    num_index = len(INDEX_FIELDS)
+    # rows in INDEX_FIELDS order, then the uniforms (at 64·b bytes: 16-byte aligned, as the
+    # sampler's other tensors)
+    host = np.empty((num_index + (sampling_info is not None), b), dtype=np.int64)
     host[0] = tokens  # input_ids
     host[1] = kv_lens  # positions
     host[2] = slots  # out_cache_loc
@@ -101,10 +109,14 @@ def build_decode_batch(rows: list[int], tokens: list[int], kv_lens: list[int], a
     host[5] = seq_lens
     host[6] = 1  # extend_seq_lens
     host[7] = kv_lens  # extend_prefix_lens
-    flat = torch.from_numpy(host.reshape(-1))
-    hi = HostIndices(INDEX_FIELDS, [b] * len(INDEX_FIELDS), flat)
-    dev = flat if device.type == "cpu" else flat.pin_memory().to(device, non_blocking=True)
-    ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = dev.view(len(INDEX_FIELDS), b).unbind(0)
+    if sampling_info is not None:
+        host[num_index].view(np.float64)[:] = sampling_info.uniforms_at(seq_lens)
+    packed = torch.from_numpy(host)
+    hi = HostIndices(INDEX_FIELDS, [b] * num_index, packed[:num_index].view(-1))
+    dev = packed if device.type == "cpu" else packed.pin_memory().to(device, non_blocking=True)
+    ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = dev[:num_index].unbind(0)
+    if sampling_info is not None:
+        sampling_info.uniforms = dev[num_index].view(torch.float64)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=ids, positions=pos,
         req_pool_indices=req_rows, seq_lens=lens, out_cache_loc=loc,

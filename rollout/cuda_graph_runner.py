@@ -2,9 +2,11 @@
 and the one-request prefill graphs of `prefill_graphs`, captured into the same memory pool.
 
 Every graph reads its inputs from one set of static buffers sized for the largest batch (a graph
-of size bs reads their first bs rows) and the attention backend's static metadata (its
-`init_cuda_graph_state` / `init_forward_metadata_capture` / `init_forward_metadata_replay`
-hooks). Graphs are captured largest first into one shared memory pool, so the smaller graphs
+of size bs reads their first bs rows), filled before each replay (`GraphInputs.fill`), and
+the attention backend's static metadata (its `init_cuda_graph_state` /
+`init_forward_metadata_capture` / `init_forward_metadata_replay` hooks, which get the static
+batch: a backend reads the request rows and seq_lens from these buffers, not from copies of its
+own). Graphs are captured largest first into one shared memory pool, so the smaller graphs
 reuse the largest one's memory.
 
 Padding: a batch of 5 replays the graph of 8. Padded rows decode token 0 at position 0 of

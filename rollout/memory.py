@@ -24,8 +24,15 @@ class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str):
         self.max_context = max_context
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=device)
+        self._fused = None  # on a GPU: one Triton launch a write (triton: GPU-only dep)
+        if torch.device(device).type == "cuda":
+            from rollout.attention.triton_kernels import req_to_token
+            self._fused = req_to_token
 
     def write(self, token_req_slots: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
+        if self._fused is not None:  # one kernel, not a cast of the int64 slots and an index write
+            self._fused.write_slots(self.req_to_token, token_req_slots, positions, kv_slots)
+            return
         self.req_to_token[token_req_slots, positions] = kv_slots.to(torch.int32)
 
 

@@ -29,11 +29,11 @@ class SamplingBatchInfo:
     all_temperature_one: bool = False  # logits / T is logits itself: no division
     _hashed: Optional[np.ndarray] = field(default=None, repr=False)  # seed_hash(seeds), host
 
-    def set_positions(self, positions: Sequence[int]) -> None:
-        """The next step of the same rows: only the positions move on, so only the uniforms
-        are computed again (on the host) and shipped."""
-        self.uniforms = _to_device(torch.from_numpy(uniform_from(None, positions, self._hashed)),
-                                   self.uniforms.device)
+    def uniforms_at(self, positions: Sequence[int]) -> np.ndarray:
+        """The rows' uniforms (float64, host) for the tokens at `positions`. A decode step of the
+        same rows needs only these anew: `build_decode_batch` ships them with its indices and
+        points `uniforms` at them there."""
+        return uniform_from(None, positions, self._hashed)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int],

@@ -144,10 +144,15 @@ class Scheduler:
             return None
         # host ints only: a pending request's input id is taken on the device below
         tokens = [0 if r.pending else r.last_id for r in reqs]
+        key = tuple([r.rid for r in reqs])
+        # the same requests as the last decode: its sampling tensors serve again, all but the
+        # uniforms, which the batch's own copy brings
+        same_rows = self._info if key == self._info_key else None
         fb = build_decode_batch([r.row for r in reqs], tokens, [r.kv_len for r in reqs], self.alloc,
-                                self.device)
+                                self.device, sampling_info=same_rows)
         self._check_built(fb, reqs)
-        fb.sampling_info = self._sampling_info(ForwardMode.DECODE, reqs, fb)
+        if same_rows is None:
+            fb.sampling_info = self._sampling_info(reqs, fb, key)
         if prev is not None:
             _take_pending_inputs(fb, reqs, prev)
         self.stats.decode_tokens += len(reqs)
@@ -156,7 +161,7 @@ class Scheduler:
     def _build(self, mode: ForwardMode, reqs: Sequence[Request], tokens, prefix_lens) -> ForwardBatch:
         fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device)
         self._check_built(fb, reqs)
-        fb.sampling_info = self._sampling_info(mode, reqs, fb)
+        fb.sampling_info = self._sampling_info(reqs, fb, key=None)
         return fb
 
     @staticmethod
@@ -166,14 +171,11 @@ class Scheduler:
         for r, n in zip(reqs, fb.seq_lens_cpu):
             r.kv_allocated = n
 
-    def _sampling_info(self, mode: ForwardMode, reqs: Sequence[Request], fb: ForwardBatch) -> SamplingBatchInfo:
-        """The position of the token each row samples is its `seq_lens` entry (tokens in the KV
-        cache after this step). Consecutive decodes of the same requests reuse every tensor but
-        the uniforms."""
-        key = tuple([r.rid for r in reqs]) if mode.is_decode else None
-        if key is not None and key == self._info_key:
-            self._info.set_positions(fb.seq_lens_cpu)
-            return self._info
+    def _sampling_info(self, reqs: Sequence[Request], fb: ForwardBatch,
+                       key: Optional[tuple[int, ...]]) -> SamplingBatchInfo:
+        """Fresh sampling tensors for fb's rows. The position of the token each row samples is
+        its `seq_lens` entry (tokens in the KV cache after this step). `key`: a decode batch's
+        request ids; the next decode of the same requests reuses every tensor but the uniforms."""
         self._info = SamplingBatchInfo.build([r.params for r in reqs], [r.seed for r in reqs],
                                              fb.seq_lens_cpu, self.limits.vocab_size, self.device)
         self._info_key = key

@@ -213,6 +213,26 @@ def test_store_kv_kernel_equals_indexed_assignment(dtype):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 1500])
+def test_req_to_token_write_kernel_equals_indexed_assignment(tokens):
+    """ReqToTokenPool.write's one-launch kernel (a GPU's) leaves the table exactly as the
+    indexed assignment of the int32 cast does (the CPU's), from the rows of a packed index
+    tensor (a decode batch's) or past one program's block of tokens (a prefill's)."""
+    from rollout.attention.triton_kernels import req_to_token
+    from rollout.memory import ReqToTokenPool
+    g = torch.Generator().manual_seed(tokens)
+    cells = torch.randperm(6 * 400, generator=g)[:tokens]  # distinct (row, position) pairs
+    slots = torch.randint(0, 2**20, (tokens,), generator=g)
+    packed = torch.stack([cells // 400, cells % 400, slots]).to(DEV)  # rows, positions, slots
+    fused, plain = ReqToTokenPool(6, 400, DEV), ReqToTokenPool(6, 400, DEV)
+    fused._fused, plain._fused = req_to_token, None
+    for pool in (fused, plain):
+        pool.req_to_token.fill_(-7)
+        pool.write(packed[0], packed[1], packed[2])
+    assert torch.equal(fused.req_to_token, plain.req_to_token)
+    assert plain.req_to_token[packed[0], packed[1]].tolist() == slots.tolist()
+
+
 @pytest.mark.parametrize("head_dim", [16, 24])
 @pytest.mark.parametrize("config", [None, (64, 32, 4, 3), (16, 16, 2, 2)])
 def test_extend_kernel_matches_reference(head_dim, config):
@@ -307,7 +327,8 @@ GRAPH_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9]]  # 5 requests: replays the graph of 
 def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     """The CudaGraphRunner's bookkeeping (static buffers, padding 5 -> 8, backend replay hook)
     without CUDA: each "graph" re-runs the forward eagerly on the static buffers, which is
-    exactly what a captured graph would read."""
+    exactly what a captured graph would read. The backend's graph metadata reads the request
+    rows and seq_lens in the static input table itself (no copies of its own)."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
@@ -321,6 +342,10 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     assert graphed.runner.graph_runner.num_replays == 3
     assert g_tokens == e_tokens
     assert (g_logits - e_logits).abs().max().item() <= 1e-5
+    meta, inputs = graphed.runner.attn_backend.meta, graphed.runner.graph_runner.inputs
+    assert meta.req_pool_indices.data_ptr() == inputs.req_pool_indices.data_ptr()
+    assert meta.seq_lens.data_ptr() == inputs.seq_lens.data_ptr()
+    assert meta.seq_lens.tolist() == graphed.lens + [1] * 3  # the padded rows' length
 
 
 def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):

@@ -38,7 +38,10 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)
 
-    # CUDA-graph hooks: backends that support decode graphs override these.
+    # CUDA-graph hooks: backends that support decode graphs override these. Capture and replay
+    # get the graph runner's static batch: its tensors are the static inputs the graph reads,
+    # already filled (and padded) for this replay, so a backend reads them in place and keeps
+    # static buffers only for what it derives from them.
     def init_cuda_graph_state(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 

@@ -1,9 +1,10 @@
 """Triton attention backend (GPU default): the kernels of `triton_kernels` over the paged KV cache.
 
 Metadata is built once per batch by `init_forward_metadata` and read by every layer. Decode
-supports CUDA graphs: `init_cuda_graph_state` allocates static metadata buffers for the largest
-graph batch, and the capture/replay hooks fill them in place, so a captured graph keeps reading
-the same addresses. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
+supports CUDA graphs: the request rows and seq_lens a graph reads are the graph runner's static
+input rows themselves (the static batch the capture/replay hooks receive), which the runner fills
+before each replay, so a replay copies nothing here; `init_cuda_graph_state` allocates the split
+scratch for the largest graph batch. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class TritonBackend(AttentionBackend):
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
         self.launch_table = launch_table_from_env()  # None: decode_launch_config's own
         self.meta: DecodeMetadata | ExtendMetadata | None = None
-        self.graph_meta: Optional[DecodeMetadata] = None  # static buffers for max_bs
+        self.graph_scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # for max_bs
 
     # ---- per-batch metadata ---------------------------------------------------------------
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -98,24 +99,22 @@ class TritonBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode only) ----------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Static metadata for graphs of up to `max_bs` requests; graph of size bs reads [:bs]."""
-        rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)  # >= 1: kernel contract
-        bufs = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits, self.device)
-        self.graph_meta = DecodeMetadata(rows, lens, *bufs)
+        """The split scratch for graphs of up to `max_bs` requests; a graph of size bs uses [:bs]."""
+        self.graph_scratch = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits,
+                                            self.device)
 
     def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
         self.init_forward_metadata_replay(fb)
 
     def init_forward_metadata_replay(self, fb: "ForwardBatch") -> None:
-        """Copy fb's (already padded) decode metadata into the static buffers, in place."""
-        if self.graph_meta is None:
+        """fb is the graph runner's static batch, already filled and padded: its request rows and
+        seq_lens are the buffers the graph reads, so the metadata is those views (nothing copied)
+        plus the graph's scratch."""
+        if self.graph_scratch is None:
             raise RuntimeError("init_cuda_graph_state must be called before capturing graphs")
-        g, bs = self.graph_meta, fb.batch_size
-        g.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
-        g.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self.meta = DecodeMetadata(g.req_pool_indices[:bs], g.seq_lens[:bs], g.part_o[:bs],
-                                   g.part_lse[:bs])
+        part_o, part_lse = self.graph_scratch
+        bs = fb.batch_size
+        self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, part_o[:bs], part_lse[:bs])
 
 
 def _zeros(q: torch.Tensor) -> torch.Tensor:
