@@ -3,7 +3,9 @@ process each, variants alternated, so every variant sees the same machine drift.
 environment variables and/or skinny-GEMM launch-config entries (written to a file for
 ROLLOUT_SKINNY_CONFIGS, as `triton_gemv.load_tuned` reads it; "configs_file" instead names such a
 file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded; "script" runs
-another script that takes decode_throughput.py's arguments, e.g. decode_ablated.py). Keys starting
+another script that takes decode_throughput.py's arguments, e.g. decode_ablated.py; "tree" runs
+the variant from another source tree, e.g. an earlier commit unpacked from `git archive`, to
+compare code that has no switch: $OUT and ~ are expanded, and the tree goes first on PYTHONPATH). Keys starting
 with "_" are comments. A variants file records an experiment as it ran at its commit: an A/B
 toggle it sets may since have been removed, its winner kept as the only code path.
 
@@ -44,12 +46,16 @@ def variant_env(name: str, spec: dict, tmp: Path) -> dict:
 
 
 def run_once(name: str, env: dict, args, out: Path, extra: list[str] = (),
-             script: str = "benchmarks/decode_throughput.py") -> dict:
+             script: str = "benchmarks/decode_throughput.py", tree: str | None = None) -> dict:
     cmd = [sys.executable, script, "--shape", args.shape,
            "--device", "cuda", "--dtype", "bfloat16", "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--skip-hf",
            "--batch-sizes", *map(str, args.batch_sizes), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if tree:
+        tree = os.path.expanduser(os.path.expandvars(tree))
+        env = env | {"PYTHONPATH": os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s,
+                          cwd=tree)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     result = json.loads(out.read_text())
@@ -79,7 +85,8 @@ def main() -> None:
         for n in names:
             res = run_once(n, variant_env(n, variants[n], tmp), args, tmp / f"{n}_{r}.json",
                            [str(a) for a in variants[n].get("args", [])],
-                           variants[n].get("script", "benchmarks/decode_throughput.py"))
+                           variants[n].get("script", "benchmarks/decode_throughput.py"),
+                           variants[n].get("tree"))
             runs[n].append(res)
             print(f"round {r} {n}: {json.dumps(res)[:400]}", flush=True)
             Path(args.out).write_text(json.dumps({"variants": variants, "runs": runs}, indent=1))
