@@ -286,6 +286,21 @@ for stage in "$@"; do
     # sixteenth session: the attention's merge kernel's cost to the step (ablated), batch 1
     ab16-merge) run ab16_merge 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_merge.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1} --repeats 2 --timeout-s 90 --out "$OUT/ab16_merge.json" ;;
+    # sixteenth session: the specs of the one-pass sampler and the fewer per-step ops; what the
+    # engine samples before / with the two-pass sampler / now; the engine A/B of the three
+    # (base16.tar: `git archive 8ece7e2`, carried untracked, not committed)
+    smoke16) run smoke16 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_sampler.py \
+              tests/test_overlap_schedule.py tests/test_batch_builder.py tests/test_memory_release.py tests/test_sampler.py \
+              -p no:cacheprovider ;;
+    parity16) mkdir -p /tmp/base16 && tar -xf base16.tar -C /tmp/base16
+              run parity16 240 bash -c 'PYTHONPATH=/tmp/base16:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
+              && ROLLOUT_SAMPLER_PASSES=2 python3 benchmarks/sample_dump.py --out $OUT/samples_two_pass.json \
+              && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_two_pass.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_two_pass.json $OUT/samples_now.json' ;;
+    ab16c) mkdir -p /tmp/base16 && tar -xf base16.tar -C /tmp/base16
+              run ab16c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 100 --out "$OUT/ab16c.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
