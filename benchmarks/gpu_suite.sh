@@ -292,6 +292,7 @@ for stage in "$@"; do
     smoke16) run smoke16 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_sampler.py \
               tests/test_overlap_schedule.py tests/test_batch_builder.py tests/test_memory_release.py tests/test_sampler.py \
               -p no:cacheprovider ;;
+    # (parity16 ran at commit dedc409, when ROLLOUT_SAMPLER_PASSES=2 still chose the two-pass kernels)
     parity16) mkdir -p /tmp/base16 && tar -xf base16.tar -C /tmp/base16
               run parity16 240 bash -c 'PYTHONPATH=/tmp/base16:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && ROLLOUT_SAMPLER_PASSES=2 python3 benchmarks/sample_dump.py --out $OUT/samples_two_pass.json \
@@ -301,6 +302,8 @@ for stage in "$@"; do
     ab16c) mkdir -p /tmp/base16 && tar -xf base16.tar -C /tmp/base16
               run ab16c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 100 --out "$OUT/ab16c.json" ;;
+    # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
+    sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -30,7 +30,7 @@ from rollout import SamplingParams
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_END = "_pick"  # the sampler's last kernel: one per step (prefill's first token included)
-SAMPLER = ("_chunk_stats", "_chunk_max", "_chunk_sum", "_pick")  # prefixes: "_pick" is _pick_two_pass too
+SAMPLER = ("_chunk_stats", "_chunk_max", "_chunk_sum", "_pick")  # the sampler's kernels, then and now
 
 
 def gpu_events(trace: dict) -> list[tuple[float, float, str]]:

@@ -14,8 +14,8 @@ block sums, cumsums, searchsorteds, gathers, an argmax, where... (≈0.43 ms a s
      float64 prefix sums times exp(m_c - m) added to the mass before it, pick the first token
      whose sum exceeds u · total (and whose term is not 0); greedy rows take the argmax, and so
      does u · total rounded up to total. logprob = x_token - m - log(total). Every load but the
-     chosen chunk's is issued at once: two latencies of memory a row (`_pick_two_pass` waits
-     on seven, one after another).
+     chosen chunk's is issued at once: two latencies of memory a row (seven, one after
+     another, before the sixteenth session).
 The same distribution as the torch path — inverse CDF in vocabulary order at the row's uniform
 from (seed, position), sums in float64 — up to the order of the additions and expf's last bit,
 so a draw can differ where u · total lies within rounding of a token boundary (and a token
@@ -23,14 +23,15 @@ more than 87 below the max, where torch's fp32 exp(x - m) underflows, can keep i
 mass here, through its chunk's float64 exp(m_c - m)). Rows are independent: a request draws the
 same token whatever else is in the batch. No host syncs.
 
-ROLLOUT_SAMPLER_PASSES=2 (read at import; default 1) computes the statistics in the two reads
-of the logits that `_chunk_stats` replaced, for an A/B on a GPU: `_chunk_max` (m_c and its first
-index), `_chunk_sum` (the fp32 sum of exp(x - m) in the row's frame), then `_pick_two_pass`
-(`_pick` with every exp(m_c - m) = 1, its loads one after another, x_token read again).
+Until the sixteenth session the statistics took two reads of the logits (the chunk maxima,
+then the sums of exp(x - m) in the row's frame): on an H200, one read took batch 128 from 51,471
+to 52,025 tok/s and batch 1 from 889 to 893 (docs/BENCHMARKS.md). `SamplerLaunch` is how the two
+kernels are launched (ROLLOUT_SAMPLER_LAUNCH).
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,12 +39,35 @@ import triton.language as tl
 
 from rollout.triton_pdl import launch_options, pdl_wait
 
-CHUNK = 2048  # tokens per program of the statistics kernels
+CHUNK = 2048  # tokens a chunk: the statistics' grain, and what `_pick` scans of a row
 
-_PASSES = os.environ.get("ROLLOUT_SAMPLER_PASSES", "1")
-if _PASSES not in ("1", "2"):
-    raise ValueError(f"ROLLOUT_SAMPLER_PASSES={_PASSES!r}: 1 (one read of the logits) or 2 (two)")
-PASSES = int(_PASSES)
+
+class SamplerLaunch(NamedTuple):
+    """How the kernels are launched (the same statistics whatever the values, up to the order of
+    fp32 additions in a chunk's sum)."""
+    chunks_per_program: int = 1  # of `_chunk_stats`: loaded at once, as one [G, CHUNK] tile
+    stats_warps: int = 8
+    pick_warps: int = 8
+
+
+def launch_from_env() -> SamplerLaunch:
+    """ROLLOUT_SAMPLER_LAUNCH="CHUNKS_PER_PROGRAM,STATS_WARPS,PICK_WARPS" (powers of two), else
+    the defaults: another GPU's measured launch without a code change."""
+    spec = os.environ.get("ROLLOUT_SAMPLER_LAUNCH")
+    if not spec:
+        return SamplerLaunch()
+    try:
+        launch = SamplerLaunch(*(int(v) for v in spec.split(",")))
+    except (ValueError, TypeError):
+        launch = None
+    if (launch is None or len(spec.split(",")) != 3
+            or any(v < 1 or v & (v - 1) or v > 32 for v in launch)):
+        raise ValueError(f"ROLLOUT_SAMPLER_LAUNCH={spec!r}: want CHUNKS_PER_PROGRAM,STATS_WARPS,"
+                         "PICK_WARPS, powers of two up to 32")
+    return launch
+
+
+LAUNCH = launch_from_env()
 
 
 @triton.jit
@@ -64,15 +88,21 @@ def _terms(x, m_c):
 
 @triton.jit
 def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """Chunks GROUP·pid .. GROUP·pid + GROUP - 1 of a row, loaded as one [GROUP, CHUNK] tile: a
+    program streams GROUP·CHUNK logits (at batch 128, 75 programs a row of 4 KB each would be
+    more program than load)."""
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    row, c = tl.program_id(0), tl.program_id(1)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
+    row = tl.program_id(0)
+    cs = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    offs = cs[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row))
-    m_c = tl.max(x, axis=0)
-    tl.store(CMax + row * C + c, m_c)
-    tl.store(CIdx + row * C + c, tl.min(tl.where(x == m_c, offs, V), axis=0))
-    tl.store(CSum + row * C + c, tl.sum(_terms(x, m_c), axis=0))
+    m_c = tl.max(x, axis=1)
+    c_mask = cs < C
+    tl.store(CMax + row * C + cs, m_c, mask=c_mask)
+    tl.store(CIdx + row * C + cs, tl.min(tl.where(x == m_c[:, None], offs, V), axis=1),
+             mask=c_mask)
+    tl.store(CSum + row * C + cs, tl.sum(_terms(x, m_c[:, None]), axis=1), mask=c_mask)
 
 
 @triton.jit
@@ -122,87 +152,13 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     tl.store(Packed + B + row, logprob.to(tl.float64))
 
 
-# ROLLOUT_SAMPLER_PASSES=2: the kernels `_chunk_stats` and `_pick` replaced, as they were
-
-
-@triton.jit
-def _chunk_max(Logits, stride_row, Temps, CMax, CIdx, V, C, CHUNK: tl.constexpr,
-               USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    row, c = tl.program_id(0), tl.program_id(1)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
-                other=float("-inf")).to(tl.float32)
-    x = x / tl.load(Temps + row)
-    m = tl.max(x, axis=0)
-    first = tl.min(tl.where(x == m, offs, V), axis=0)
-    tl.store(CMax + row * C + c, m)
-    tl.store(CIdx + row * C + c, first)
-
-
-@triton.jit
-def _row_max(CMax, row, C, BLOCK_C: tl.constexpr):
-    cs = tl.arange(0, BLOCK_C)
-    return tl.max(tl.load(CMax + row * C + cs, mask=cs < C, other=float("-inf")), axis=0)
-
-
-@triton.jit
-def _chunk_sum(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-               USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    row, c = tl.program_id(0), tl.program_id(1)
-    m = _row_max(CMax, row, C, BLOCK_C)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
-                other=float("-inf")).to(tl.float32)
-    p = tl.exp(x / tl.load(Temps + row) - m)  # exp(-inf) = 0 on the tail
-    tl.store(CSum + row * C + c, tl.sum(p, axis=0))
-
-
-@triton.jit
-def _pick_two_pass(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B,
-                   V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    row = tl.program_id(0)
-    t = tl.load(Temps + row)
-    cs = tl.arange(0, BLOCK_C)
-    cmax = tl.load(CMax + row * C + cs, mask=cs < C, other=float("-inf"))
-    m = tl.max(cmax, axis=0)
-    # first index of the row's max: the first chunk holding m, then its first index
-    argmax = tl.min(tl.where(cmax == m, tl.load(CIdx + row * C + cs, mask=cs < C, other=V), V), axis=0)
-    mass = tl.load(CSum + row * C + cs, mask=cs < C, other=0.0).to(tl.float64)
-    prefix = tl.cumsum(mass, axis=0)
-    total = tl.max(prefix, axis=0)  # prefix sums of non-negative terms: the last is the largest
-    target = tl.load(U + row) * total
-    chunk = tl.minimum(tl.min(tl.where(prefix > target, cs, BLOCK_C), axis=0), C - 1)
-    before = tl.sum(tl.where(cs == chunk, prefix - mass, 0.0), axis=0)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
-                other=float("-inf")).to(tl.float32)
-    p = tl.exp(x / t - m)
-    cdf = before + tl.cumsum(p.to(tl.float64), axis=0)
-    hit = tl.min(tl.where((cdf > target) & (p > 0), offs, V), axis=0)
-    # u * total rounded up to total (u within 2^-53 of 1): the likeliest token, as the torch path
-    token = tl.where(hit < V, hit, argmax)
-    token = tl.where(tl.load(Greedy + row) != 0, argmax, token)
-    x_tok = tl.load(Logits + row.to(tl.int64) * stride_row + token).to(tl.float32) / t
-    logprob = (x_tok - m) - tl.log(total.to(tl.float32))
-    tl.store(Tokens + row, token.to(tl.int64))
-    tl.store(Logprobs + row, logprob)
-    # [2, B] float64 (token ids are exact in float64): the step's one copy to the host
-    tl.store(Packed + row, token.to(tl.float64))
-    tl.store(Packed + B + row, logprob.to(tl.float64))
-
-
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
-                      uniforms: torch.Tensor, passes: int = PASSES
+                      uniforms: torch.Tensor, launch: SamplerLaunch = LAUNCH
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] float32, bf16 or fp16 (rows contiguous; read as exactly those values in
     float32), temperatures [B] float32 (1.0 on greedy rows),
     greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
-    stacked as [2, B] float64 for the copy to the host). `passes`: reads of the logits for the
-    statistics, 1 or 2 (ROLLOUT_SAMPLER_PASSES)."""
+    stacked as [2, B] float64 for the copy to the host)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
     block_c = triton.next_power_of_2(chunks)
@@ -213,21 +169,14 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     packed = torch.empty(2, rows, dtype=torch.float64, device=dev)
-    stride = logits.stride(0)
-    if passes == 1:
-        _chunk_stats[(rows, chunks)](logits, stride, temperatures, cmax, cidx, csum, vocab, chunks,
-                                     CHUNK=CHUNK, num_warps=8, **launch_options())
-        pick = _pick
-    else:
-        _chunk_max[(rows, chunks)](logits, stride, temperatures, cmax, cidx, vocab, chunks, CHUNK=CHUNK,
-                                   num_warps=8, **launch_options())
-        _chunk_sum[(rows, chunks)](logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK,
-                                   BLOCK_C=block_c, num_warps=8, **launch_options())
-        pick = _pick_two_pass
-    pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens, logprobs,
-                  packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c, num_warps=8,
-                  **launch_options())
+    stride, group = logits.stride(0), launch.chunks_per_program
+    _chunk_stats[(rows, triton.cdiv(chunks, group))](
+        logits, stride, temperatures, cmax, cidx, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
+        num_warps=launch.stats_warps, **launch_options())
+    _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens,
+                   logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c,
+                   num_warps=launch.pick_warps, **launch_options())
     return tokens, logprobs, packed
 
 
-__all__ = ["sample_unfiltered", "CHUNK"]
+__all__ = ["sample_unfiltered", "CHUNK", "SamplerLaunch"]

@@ -1,16 +1,12 @@
 """Spec: rollout/triton_sampler.py draws what the torch sampler draws (no filter, any
 temperature, greedy rows), row by row whatever the batch, with the logprob of the drawn token
 under softmax(logits / T) within 1e-5; on a GPU its frequencies match softmax (chi-square).
-Both ways of reading the logits for the statistics (ROLLOUT_SAMPLER_PASSES 1 and 2) meet it.
+Every launch shape meets it (chunks a statistics program, warps: ROLLOUT_SAMPLER_LAUNCH).
 
 On CPU the kernels run under the Triton interpreter (fp32, tests/conftest.py); both paths invert the same CDF in
 vocabulary order with float64 sums, summed in another order, so a draw could differ only where
 u * total falls within rounding of a token boundary (not on these rows)."""
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,34 +23,36 @@ from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
 
 require_runnable_triton(triton_sampler._pick)
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 2 * triton_sampler.CHUNK + 700  # three chunks, the last one partial
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
           SamplingParams(temperature=0.0), SamplingParams(temperature=1.3),
           SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)]
 
 
-# the statistics in one read of the logits (`_chunk_stats`), or in two (`_chunk_max`, `_chunk_sum`)
-passes = pytest.mark.parametrize("passes", [1, 2], ids=["one-pass", "two-pass"])
+# the default launch, and one whose second statistics program holds the partial chunk and one
+# past the vocabulary (chunks 2 and 3 of 3)
+launches = pytest.mark.parametrize("launch", [triton_sampler.SamplerLaunch(),
+                                              triton_sampler.SamplerLaunch(2, 4, 2)],
+                                   ids=["default", "two-chunks-a-program"])
 
 
 def _info(params, seeds, positions, device):
     return SamplingBatchInfo.build(params, seeds, positions, VOCAB, device)
 
 
-def _fused(logits, info, passes):
+def _fused(logits, info, launch):
     return triton_sampler.sample_unfiltered(logits.to(DEV), info.temperatures, info.greedy,
-                                            info.uniforms, passes)
+                                            info.uniforms, launch)
 
 
 def _torch_path(logits, params, seeds, positions):
     return sample(logits, _info(params, seeds, positions, torch.device("cpu")))
 
 
-def _assert_draws_as_torch(logits, params, seeds, positions, passes):
+def _assert_draws_as_torch(logits, params, seeds, positions, launch):
     """Equal tokens, logprobs within 1e-5, greedy rows on the first argmax; the host pack exact."""
     want = _torch_path(logits, params, seeds, positions)
-    tokens, logprobs, pack = _fused(logits, _info(params, seeds, positions, DEV), passes)
+    tokens, logprobs, pack = _fused(logits, _info(params, seeds, positions, DEV), launch)
     assert torch.equal(tokens.cpu(), want.tokens)
     assert torch.allclose(logprobs.cpu(), want.logprobs, atol=1e-5, rtol=0)
     # the host copy's [2, B] float64: exactly the tokens and the logprobs
@@ -64,13 +62,13 @@ def _assert_draws_as_torch(logits, params, seeds, positions, passes):
     assert torch.equal(tokens.cpu()[greedy], logits[greedy].argmax(-1))
 
 
-@passes
-def test_fused_sampler_draws_what_the_torch_sampler_draws(passes):
+@launches
+def test_fused_sampler_draws_what_the_torch_sampler_draws(launch):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(len(PARAMS) * 4, VOCAB, generator=gen) * 3.0
     params = PARAMS * 4
     seeds, positions = list(range(100, 100 + len(params))), [7 + i for i in range(len(params))]
-    _assert_draws_as_torch(logits, params, seeds, positions, passes)
+    _assert_draws_as_torch(logits, params, seeds, positions, launch)
 
 
 FIRST, MIDDLE, LAST = (slice(i * triton_sampler.CHUNK, (i + 1) * triton_sampler.CHUNK) for i in range(3))
@@ -109,15 +107,15 @@ def _far_apart_rows():
     return torch.cat(logits), params
 
 
-@passes
-def test_fused_sampler_draws_as_torch_with_chunk_maxima_far_apart(passes):
+@launches
+def test_fused_sampler_draws_as_torch_with_chunk_maxima_far_apart(launch):
     logits, params = _far_apart_rows()
     seeds, positions = list(range(300, 300 + len(params))), [5] * len(params)
-    _assert_draws_as_torch(logits, params, seeds, positions, passes)
+    _assert_draws_as_torch(logits, params, seeds, positions, launch)
 
 
-@passes
-def test_u_zero_draws_the_first_token_of_positive_probability(passes):
+@launches
+def test_u_zero_draws_the_first_token_of_positive_probability(launch):
     """The inverse CDF at u = 0 draws the first token whose probability is not 0, as torch
     does: the first after a chunk and a half of -inf logits, at T = 0.05 too, where that token
     is 60 below the row's max (probability e^-60, its chunk's max as far below the row's)."""
@@ -132,32 +130,32 @@ def test_u_zero_draws_the_first_token_of_positive_probability(passes):
         info = _info(params, [1, 2], [0, 0], device)
         return dataclasses.replace(info, uniforms=torch.zeros_like(info.uniforms))
 
-    tokens, logprobs, _ = _fused(logits, at_u_zero(DEV), passes)
+    tokens, logprobs, _ = _fused(logits, at_u_zero(DEV), launch)
     want = sample(logits, at_u_zero(torch.device("cpu")))
     assert want.tokens.tolist() == [first, first] and torch.equal(tokens.cpu(), want.tokens)
     assert torch.allclose(logprobs.cpu(), want.logprobs, atol=1e-5, rtol=0)
 
 
-@passes
-def test_fused_sampler_rows_do_not_depend_on_the_batch(passes):
+@launches
+def test_fused_sampler_rows_do_not_depend_on_the_batch(launch):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(len(PARAMS), VOCAB, generator=gen) * 2.0
     seeds, positions = [5, 6, 7, 8, 9, 10], [3] * len(PARAMS)
-    batch = _fused(logits, _info(PARAMS, seeds, positions, DEV), passes)
-    alone = _fused(logits[3:4], _info(PARAMS[3:4], seeds[3:4], positions[3:4], DEV), passes)
+    batch = _fused(logits, _info(PARAMS, seeds, positions, DEV), launch)
+    alone = _fused(logits[3:4], _info(PARAMS[3:4], seeds[3:4], positions[3:4], DEV), launch)
     assert batch[0][3] == alone[0][0] and batch[1][3] == alone[1][0]
 
 
-@passes
+@launches
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_logits_sample_as_their_float32_values(dtype, passes):
+def test_half_logits_sample_as_their_float32_values(dtype, launch):
     """A decode graph hands the sampler the LM head's bf16/fp16 logits: both samplers draw what
     they draw from those values cast to float32, bit for bit."""
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(len(PARAMS), VOCAB, generator=gen) * 3.0).to(dtype)
     seeds, positions = [21, 22, 23, 24, 25, 26], [9] * len(PARAMS)
     info = _info(PARAMS, seeds, positions, DEV)
-    half, full = _fused(logits, info, passes), _fused(logits.float(), info, passes)
+    half, full = _fused(logits, info, launch), _fused(logits.float(), info, launch)
     for a, b in zip(half, full):
         assert torch.equal(a, b)
     want = _torch_path(logits.float(), PARAMS, seeds, positions)
@@ -165,23 +163,27 @@ def test_half_logits_sample_as_their_float32_values(dtype, passes):
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
 
 
-def test_sampler_passes_other_than_1_or_2_are_refused():
-    run = subprocess.run([sys.executable, "-c", "import rollout.triton_sampler"],
-                         env=dict(os.environ, ROLLOUT_SAMPLER_PASSES="3"), cwd=REPO,
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "ValueError: ROLLOUT_SAMPLER_PASSES='3'" in run.stderr
+def test_launch_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_SAMPLER_LAUNCH", "4,8,2")
+    assert triton_sampler.launch_from_env() == triton_sampler.SamplerLaunch(4, 8, 2)
+    monkeypatch.delenv("ROLLOUT_SAMPLER_LAUNCH")
+    assert triton_sampler.launch_from_env() == triton_sampler.SamplerLaunch()
+    for bad in ("3,8,8", "4,8", "4,8,8,1", "a,b,c", "0,8,8", "4,64,8"):
+        monkeypatch.setenv("ROLLOUT_SAMPLER_LAUNCH", bad)
+        with pytest.raises(ValueError, match="ROLLOUT_SAMPLER_LAUNCH"):
+            triton_sampler.launch_from_env()
 
 
 @gpu
-@passes
-def test_fused_sampler_frequencies_match_softmax(passes):
+@launches
+def test_fused_sampler_frequencies_match_softmax(launch):
     vocab, draws = 3000, 60_000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
     params = [SamplingParams(temperature=0.8)] * draws
     info = SamplingBatchInfo.build(params, list(range(draws)), [11] * draws, vocab, DEV)
     tokens, logprobs, _ = triton_sampler.sample_unfiltered(
         logits.to(DEV).expand(draws, vocab).contiguous(), info.temperatures, info.greedy, info.uniforms,
-        passes)
+        launch)
     probs = torch.softmax(logits.double() / 0.8, -1)
     expected = probs * draws
     counts = torch.bincount(tokens.cpu(), minlength=vocab).double()
