@@ -29,11 +29,12 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
           SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)]
 
 
-# the default launch, and one whose second statistics program holds the partial chunk and one
-# past the vocabulary (chunks 2 and 3 of 3)
+# the default launch, the one of large batches (the vocabulary's 3 chunks in one program, a 4th
+# past its end) and one whose second statistics program holds the partial chunk and one past
 launches = pytest.mark.parametrize("launch", [triton_sampler.SamplerLaunch(),
+                                              triton_sampler.MANY_ROWS_LAUNCH,
                                               triton_sampler.SamplerLaunch(2, 4, 2)],
-                                   ids=["default", "two-chunks-a-program"])
+                                   ids=["default", "many-rows", "two-chunks-a-program"])
 
 
 def _info(params, seeds, positions, device):
@@ -167,7 +168,9 @@ def test_launch_from_the_environment(monkeypatch):
     monkeypatch.setenv("ROLLOUT_SAMPLER_LAUNCH", "4,8,2")
     assert triton_sampler.launch_from_env() == triton_sampler.SamplerLaunch(4, 8, 2)
     monkeypatch.delenv("ROLLOUT_SAMPLER_LAUNCH")
-    assert triton_sampler.launch_from_env() == triton_sampler.SamplerLaunch()
+    assert triton_sampler.launch_from_env() is None
+    assert triton_sampler.launch_for(1) == triton_sampler.SamplerLaunch()
+    assert triton_sampler.launch_for(128) == triton_sampler.MANY_ROWS_LAUNCH
     for bad in ("3,8,8", "4,8", "4,8,8,1", "a,b,c", "0,8,8", "4,64,8"):
         monkeypatch.setenv("ROLLOUT_SAMPLER_LAUNCH", bad)
         with pytest.raises(ValueError, match="ROLLOUT_SAMPLER_LAUNCH"):
