@@ -302,6 +302,9 @@ for stage in "$@"; do
     ab16c) mkdir -p /tmp/base16 && tar -xf base16.tar -C /tmp/base16
               run ab16c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 100 --out "$OUT/ab16c.json" ;;
+    # batch 128's decode attention with the first block preloaded before the PDL wait
+    ab16d) run ab16d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 90 --out "$OUT/ab16d.json" ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
