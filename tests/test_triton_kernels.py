@@ -100,13 +100,16 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
 
 
 @gpu
-@pytest.mark.parametrize("num_stages,preload_kv", [(2, False), (3, False), (2, True)])
-def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages, preload_kv):
+@pytest.mark.parametrize("config", [
+    decode.DecodeConfig(8, num_stages=2), decode.DecodeConfig(8, num_stages=3),
+    decode.DecodeConfig(8, num_stages=2, preload_kv=True),
+    decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)])
+def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, config):
     """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
     into its KV slot (poisoned before every replay), the decode kernel reads the step's lengths
     and request rows (and with `preload_kv` the earlier keys and values of its first block)
     before its PDL wait and the cache after it. Every replay gives the bits of the same kernels
-    launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits)."""
+    launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits or one)."""
     from rollout import triton_pdl
     from rollout.layers import triton_ops
     if torch.cuda.get_device_capability() < (9, 0):
@@ -129,8 +132,7 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, num_stages
         qk.copy_(qk_in)
         triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(v_new, new_slots, p.k, p.v))
         decode_attention(qk[:, :12], p.k, p.v, p.req_to_token, p.rows, lens, 0.088,
-                         decode.DecodeConfig(8, num_stages=num_stages, preload_kv=preload_kv),
-                         scratch, out)
+                         config, scratch, out)
 
     assert triton_pdl.enabled()
     step()

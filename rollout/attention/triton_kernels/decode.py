@@ -226,7 +226,9 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     values load before the PDL wait (fifteenth session, in the engine at batch 1: decode graph
     1.0896 -> 1.0842 ms, `benchmarks/ab_fifteenth_session_c.json`; 2 splits or one split of 256
     keys with the preload lost, 1.1048 / 1.1630; at 17-64 requests it lost, 1.5527 -> 1.5867 at
-    batch 32, `ab_fifteenth_session_b.json`)."""
+    batch 32, `ab_fifteenth_session_b.json`); and above 64 requests (sixteenth session, batch-128
+    decode graph 1.8520 -> 1.8323 ms, `ab_sixteenth_session_d.json`; with 64 keys a block,
+    1.9422 at 4 warps and 1.9521 at 2)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
@@ -234,7 +236,7 @@ def decode_launch_config(batch: int, max_splits: int = 8,
         return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
     if batch <= 64:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
-    return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2)
+    return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)
 
 
 def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
