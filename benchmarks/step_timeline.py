@@ -91,7 +91,7 @@ def analyse(trace: dict, new_tokens: int) -> dict:
     prefill_busy, _ = busy_and_gaps(evs, first_gpu, prefill_end)
     steps = [b - a for a, b in zip(picks, picks[1:])]
     busy, gaps = busy_and_gaps(evs, first_gpu, last_gpu)
-    decode_busy, decode_gaps = busy_and_gaps(evs, prefill_end, picks[-1] if picks else last_gpu)
+    _, decode_gaps = busy_and_gaps(evs, prefill_end, picks[-1] if picks else last_gpu)
     outside = collections.Counter()
     for s, e, n in evs:
         if s >= prefill_end and (n.startswith(SAMPLER) or not n.startswith(("triton", "_"))
