@@ -27,19 +27,13 @@ MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
 
 class DecodeConfig(NamedTuple):
     """Launch parameters of the split (stage 1) kernel. Any value gives the same function; the
-    rounding can differ with `block_n` (the online softmax's blocks) and `splits`, and with
-    whether the first block is preloaded (`preload_kv` or `preload_slots`: a preloaded first
-    block is summed after the split's other blocks), not with which of the two preloads."""
+    rounding can differ with `block_n` (the online softmax's blocks) and `splits`, not with
+    `preload_kv` (the first block's earlier keys and values loaded before the PDL wait)."""
     splits: int = 8
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
-    preload_kv: bool = False  # the first block's slots and earlier keys and values before the wait
-    preload_slots: bool = False  # the first block's slots alone before the wait
-
-    @property
-    def preloads_first_block(self) -> bool:
-        return bool(self.preload_kv or self.preload_slots)
+    preload_kv: bool = False
 
 
 @triton.jit
@@ -69,21 +63,13 @@ def _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, mask):
 
 
 @triton.jit
-def _block_update(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
-    """The online softmax's running (max, sum, output) after one block of keys and values."""
-    p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PRELOAD_SLOTS: tl.constexpr, PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,17 +88,15 @@ def _decode_partial_kernel(
     end = tl.minimum(start + split_len, seq_len)
     first_n = start + tl.arange(0, BLOCK_N)
     first_mask = first_n < end
-    if PRELOAD_SLOTS or PRELOAD_KV:
+    if PRELOAD_KV:
         # and the first block's slots (the table is written before the step's first kernel)
-        # and with PRELOAD_KV its keys and values but the new token's (earlier steps wrote
-        # them): these loads stream in while the kernels before this one run; the new token's
-        # come after the wait
+        # and its keys and values but the new token's (earlier steps wrote them): these loads
+        # stream in while the kernels before this one run; the new token's come after the wait
         first_slots = tl.load(ReqToToken + row * stride_r2t + first_n, mask=first_mask,
                               other=0).to(tl.int64)
-        if PRELOAD_KV:
-            old = first_mask & (first_n < seq_len - 1)
-            k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
-            v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
+        old = first_mask & (first_n < seq_len - 1)
+        k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
+        v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -120,31 +104,25 @@ def _decode_partial_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        # A preloaded first block is summed last: the later blocks' slot and key loads issue
-        # right after the wait, beside q's, instead of after the first block's arithmetic
-        loop_start = start + BLOCK_N if PRELOAD_SLOTS or PRELOAD_KV else start
+        loop_start = start
+        if PRELOAD_KV:  # the first block: the new token's key and value (this step's) put in
+            new = first_mask & (first_n == seq_len - 1)
+            k_t = tl.where(new[None, :], _load_k_t(K, first_slots, kv_head, stride_kt,
+                                                   stride_kh, offs_d, d_mask, new), k_old)
+            p, m_i, alpha, l_i = _block_probs(q, k_t, first_mask, m_i, l_i, sm_scale, PRECISION)
+            v = tl.where(new[:, None], _load_v(V, first_slots, kv_head, stride_vt, stride_vh,
+                                               offs_d, d_mask, new), v_old)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            loop_start = start + BLOCK_N
         for n0 in range(loop_start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             # int64: slot * stride can pass 2**31 in a large pool
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
             k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, n_mask)
+            p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
             v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, n_mask)
-            m_i, l_i, acc = _block_update(q, k_t, v, n_mask, m_i, l_i, acc, sm_scale, PRECISION)
-        if PRELOAD_KV:  # the first block, the new token's key and value (this step's) put in
-            new = first_mask & (first_n == seq_len - 1)
-            k_t = tl.where(new[None, :], _load_k_t(K, first_slots, kv_head, stride_kt,
-                                                   stride_kh, offs_d, d_mask, new), k_old)
-            v = tl.where(new[:, None], _load_v(V, first_slots, kv_head, stride_vt, stride_vh,
-                                               offs_d, d_mask, new), v_old)
-            m_i, l_i, acc = _block_update(q, k_t, v, first_mask, m_i, l_i, acc, sm_scale,
-                                          PRECISION)
-        elif PRELOAD_SLOTS:
-            k_t = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask,
-                            first_mask)
-            v = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, first_mask)
-            m_i, l_i, acc = _block_update(q, k_t, v, first_mask, m_i, l_i, acc, sm_scale,
-                                          PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         if NUM_SPLITS == 1:  # PartO is the output itself: no partials, no merge kernel
             tl.store(out_ptr, (acc / l_i[:, None]).to(PartO.dtype.element_ty),
@@ -201,22 +179,22 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 
 def parse_launch_table(spec: str) -> LaunchTable:
-    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,preload_slots]];..."
-    (e.g. "16:8,32,4,3,1;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph
-    it is padded to then launch alike)."""
+    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv];..." (e.g.
+    "16:8,32,4,3,1;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph it is
+    padded to then launch alike)."""
     table = []
     for entry in filter(None, spec.replace(" ", "").split(";")):
         try:
             edge, values = entry.split(":")
             values = [int(v) for v in values.split(",")]
-            if not 4 <= len(values) <= len(DecodeConfig._fields):
+            if not len(DecodeConfig._fields) - 1 <= len(values) <= len(DecodeConfig._fields):
                 raise ValueError(f"{len(values)} values")
-            if any(v not in (0, 1) for v in values[4:]):
-                raise ValueError("preload_kv and preload_slots are 0 or 1")
+            if len(values) == len(DecodeConfig._fields) and values[-1] not in (0, 1):
+                raise ValueError("preload_kv is 0 or 1")
             cfg, edge = DecodeConfig(*values[:4], *map(bool, values[4:])), int(edge)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"decode attention config {entry!r}: want MAX_BATCH:splits,block_n,"
-                             f"warps,stages[,preload_kv[,preload_slots]] ({e})") from None
+            raise ValueError(f"decode attention config {entry!r}: want "
+                             f"MAX_BATCH:splits,block_n,warps,stages[,preload_kv] ({e})") from None
         if edge < 1 or min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
             raise ValueError(f"decode attention config {entry!r}: positive values, block_n a "
                              "power of two")
@@ -303,7 +281,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        PRELOAD_SLOTS=bool(config.preload_slots), PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
+        PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_options())
     if direct:
         return out
