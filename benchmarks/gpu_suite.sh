@@ -305,6 +305,23 @@ for stage in "$@"; do
     # batch 128's decode attention with the first block preloaded before the PDL wait
     ab16d) run ab16d 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_sixteenth_session_d.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 90 --out "$OUT/ab16d.json" ;;
+    # seventeenth session: the decode attention's preloaded first block summed last, the slots
+    # alone preloaded; `before` is commit 5c2ee26's tree (git archive 5c2ee26 -o base17.tar)
+    attn-test) run attn_test 240 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider ;;
+    ab17a) mkdir -p /tmp/base17 && tar -xf base17.tar -C /tmp/base17
+           run ab17a 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 32 --repeats 2 --timeout-s 100 --out "$OUT/ab17a.json" ;;
+    ab17b) mkdir -p /tmp/base17 && tar -xf base17.tar -C /tmp/base17
+           run ab17b 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 100 --out "$OUT/ab17b.json" ;;
+    kernels-test) run kernels_test 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py \
+              tests/test_triton_qkv_rope.py tests/test_triton_gemv.py tests/test_triton_pdl.py -p no:cacheprovider ;;
+    ab17c) mkdir -p /tmp/base17 && tar -xf base17.tar -C /tmp/base17
+           run ab17c 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab17c.json" ;;
+    ab17d) mkdir -p /tmp/base17 && tar -xf base17.tar -C /tmp/base17
+           run ab17d 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 100 --out "$OUT/ab17d.json" ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

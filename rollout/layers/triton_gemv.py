@@ -139,6 +139,22 @@ def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.co
 
 
 @triton.jit
+def _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k, K, K_SPLIT, EVEN_K: tl.constexpr,
+                       GATED: tl.constexpr):
+    """`_fma_weights` at K offset k for the loop's next chunk: zeros and no load at all when the
+    loop has no such chunk (k >= K_SPLIT), where a clamped offset would re-read one from L2."""
+    ok = (offs_k * 0 + k < K_SPLIT)[None, None, :]  # a tensor: the interpreter's masks
+    if not EVEN_K:
+        ok = ok & (offs_k + k < K)[None, None, :]
+    w = tl.load(w_ptr + k, mask=ok, other=0.0).to(tl.float32)
+    if GATED:
+        w_up = tl.load(wu_ptr + k, mask=ok, other=0.0).to(tl.float32)
+    else:
+        w_up = tl.zeros_like(w)
+    return w, w_up
+
+
+@triton.jit
 def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(x_ptr + k).to(tl.float32)
@@ -161,10 +177,9 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
-    last = K_SPLIT - BLOCK_K
     if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
-        w_next, wu_next = _fma_weights(w_ptr, wu_ptr, offs_k, tl.minimum(start, last), K,
-                                       EVEN_K, GATED)
+        w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start, K, K_SPLIT, EVEN_K,
+                                             GATED)
     x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
     acc = x * w
     acc_up = x * w_up
@@ -181,9 +196,8 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
     for k in range(start, K_SPLIT, BLOCK_K):
         if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
             w, w_up = w_next, wu_next
-            # clamped: the last iteration re-reads the split's last chunk (an L2 hit, unused)
-            w_next, wu_next = _fma_weights(w_ptr, wu_ptr, offs_k, tl.minimum(k + BLOCK_K, last),
-                                           K, EVEN_K, GATED)
+            w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + BLOCK_K, K, K_SPLIT,
+                                                 EVEN_K, GATED)
         else:
             w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
         x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)

@@ -68,11 +68,14 @@ def _rms_norm_kernel(
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
     COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0).to(tl.int64)  # rows are [outer, inner] pairs (inner: a head, or 1)
     outer, inner = row // INNER, row % INNER
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    # The weight is no earlier kernel's output: loaded before the wait, it is not a memory
+    # latency after the reduction
+    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     dt = Residual.dtype.element_ty  # the data's dtype (Residual is X when there is none)
     x_ptr = X + outer * stride_x0 + inner * stride_x1 + offs
     if SPLIT > 1:  # X: a GEMM's fp32 split-K partials, summed as triton_gemv's reduce kernel does
@@ -94,7 +97,6 @@ def _rms_norm_kernel(
     else:  # the interpreter has no libdevice
         r = tl.math.rsqrt(var + eps)
     y = _round(xf * r, dt, COMPILED)
-    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + outer * stride_o0 + inner * stride_o1 + offs,
              _round(y * w, Out.dtype.element_ty, COMPILED), mask=mask)
 
@@ -238,14 +240,17 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
     mask = (offs_h < H)[:, None] & d_mask[None, :]
+    # The step's inputs (written before its first kernel): loaded before the wait
     cos = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if STORE_KV:
+        slot = tl.load(Loc + t).to(tl.int64)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     p1 = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     dt = X.dtype.element_ty  # every product is its own rounded tensor in torch
     if SPLIT > 1:  # x not written yet: the qkv GEMM's partials (heads at h · head_dim in a row)
@@ -263,7 +268,6 @@ def _rotary_kernel(
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
     if STORE_KV:  # the rotated key heads into the token's KV slot
-        slot = tl.load(Loc + t).to(tl.int64)
         kv_head = offs_h - Q_HEADS
         k_mask = mask & (kv_head >= 0)[:, None]
         kb = KBuf + slot * stride_kb + kv_head[:, None] * (2 * HALF) + offs_d[None, :]
@@ -281,8 +285,7 @@ def _rotary_kernel(
         else:
             v = tl.load(V + t * stride_vt + offs_v, mask=v_mask)
         if STORE_KV:
-            slot_v = tl.load(Loc + t).to(tl.int64)
-            tl.store(VBuf + slot_v * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
+            tl.store(VBuf + slot * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
 
 
 class KVStore(NamedTuple):

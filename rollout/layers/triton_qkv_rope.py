@@ -68,12 +68,14 @@ def _qkv_rope_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = d0 + tl.arange(0, PAIRS)
     cos, sin, slot = _step_inputs(Cos, Sin, Loc, rows_m, offs_d, stride_ct, stride_st)
+    if HAS_BIAS:  # a weight: loaded before the wait, not a memory latency after the K loop
+        bias = tl.load(Bias + rows_n).to(tl.float32)
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]
     acc, _ = triton_gemv.fma_row_sums(x_ptr, w_ptr, w_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K,
                                       False, PRELOAD, False, USE_PDL)
     if HAS_BIAS:
-        acc += tl.load(Bias + rows_n).to(tl.float32)[None, :]
+        acc += bias[None, :]
     x1, x2 = tl.split(tl.reshape(_round(acc, Y.dtype.element_ty, COMPILED), [BLOCK_M, PAIRS, 2]))
     _rotate_and_store(x1, x2, cos, sin, slot, offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym,
                       stride_kb, stride_vb, Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
@@ -105,12 +107,15 @@ def _qkv_rope_tma_kernel(
         n = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
         triton_gemm_tma._prefetch_l2(W, off_n, n, 0, K, K, BLOCK_N, PREFETCH_K)
         triton_gemm_tma._prefetch_l2(W, off_n + HALF, n, 0, K, K, BLOCK_N, PREFETCH_K)
+    if HAS_BIAS:  # weights: loaded before the wait, not a memory latency after the K loop
+        bias1 = tl.load(Bias + off_n + tl.arange(0, BLOCK_N)).to(tl.float32)
+        bias2 = tl.load(Bias + off_n + HALF + tl.arange(0, BLOCK_N)).to(tl.float32)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     acc1, acc2 = triton_gemm_tma.tma_sums(x_desc, w_desc, off_m, off_n, off_n + HALF, 0, K_SPLIT,
                                           BLOCK_M, BLOCK_N, BLOCK_K, False, True, PREC)
     if HAS_BIAS:
-        acc1 += tl.load(Bias + off_n + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
-        acc2 += tl.load(Bias + off_n + HALF + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
+        acc1 += bias1[None, :]
+        acc2 += bias2[None, :]
     dt = Y.dtype.element_ty
     _rotate_and_store(_round(acc1, dt, COMPILED), _round(acc2, dt, COMPILED), cos, sin, slot,
                       offs_m, M, head, offs_d, Y, KBuf, VBuf, stride_ym, stride_kb, stride_vb,

@@ -97,6 +97,7 @@ def _decode_partial_kernel(
         old = first_mask & (first_n < seq_len - 1)
         k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
         v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
+        new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -106,12 +107,16 @@ def _decode_partial_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         loop_start = start
         if PRELOAD_KV:  # the first block: the new token's key and value (this step's) put in
+            # as rows loaded beside q (seventeenth session: the value's load placed after the
+            # scores waited a memory latency more; batch-1 decode graph -2.2% without it)
             new = first_mask & (first_n == seq_len - 1)
-            k_t = tl.where(new[None, :], _load_k_t(K, first_slots, kv_head, stride_kt,
-                                                   stride_kh, offs_d, d_mask, new), k_old)
+            k_new = tl.load(K + new_slot * stride_kt + kv_head * stride_kh + offs_d, mask=d_mask,
+                            other=0.0)
+            v_new = tl.load(V + new_slot * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask,
+                            other=0.0)
+            k_t = tl.where(new[None, :], k_new[:, None], k_old)
+            v = tl.where(new[:, None], v_new[None, :], v_old)
             p, m_i, alpha, l_i = _block_probs(q, k_t, first_mask, m_i, l_i, sm_scale, PRECISION)
-            v = tl.where(new[:, None], _load_v(V, first_slots, kv_head, stride_vt, stride_vh,
-                                               offs_d, d_mask, new), v_old)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             loop_start = start + BLOCK_N
         for n0 in range(loop_start, end, BLOCK_N):
@@ -140,10 +145,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     b = tl.program_id(0)
     head = tl.program_id(1)
+    # a step input (written before the step's first kernel): loaded before the wait, the
+    # partials' loads that it masks issue at once after it
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
