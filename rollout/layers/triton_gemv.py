@@ -324,8 +324,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (1, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
     # gate_up + SiLU: K chunks of 512, two of the three loaded before the PDL wait (eighth
     # session, in the engine: batch-1 graph 1.242 ms with the sixth session's (2, 256) -> 1.156;
-    # alone 15.4 µs without the preload, cuBLAS + SiLU 18.2)
-    (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2),
+    # alone 15.4 µs without the preload, cuBLAS + SiLU 18.2), the third issued right after the
+    # wait (lookahead; seventeenth session, benchmarks/ab_seventeenth_session_c.json: batch-1
+    # decode graph 1.0584 -> 1.0350 ms; it had loaded after the first two chunks' FMAs)
+    (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5 (TMA: graph +6% at batch 32)
     # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
     # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
