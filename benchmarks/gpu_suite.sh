@@ -324,6 +324,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 100 --out "$OUT/ab17d.json" ;;
     ab17e) run ab17e 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_e.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab17e.json" ;;
+    ab17f) run ab17f 200 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_f.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab17f.json" ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
