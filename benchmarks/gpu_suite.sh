@@ -326,6 +326,13 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab17e.json" ;;
     ab17f) run ab17f 200 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_f.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab17f.json" ;;
+    ab17g) run ab17g 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_seventeenth_session_g.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 32 --repeats 2 --timeout-s 100 --out "$OUT/ab17g.json" ;;
+    # the engine's sampled tokens and logprobs: commit 5c2ee26's tree against this one's
+    parity17) mkdir -p /tmp/base17 && tar -xf base17.tar -C /tmp/base17
+              run parity17 240 bash -c 'PYTHONPATH=/tmp/base17:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
+              && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

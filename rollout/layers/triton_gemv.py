@@ -76,7 +76,7 @@ class Config(NamedTuple):
     dot: bool = False  # tensor-core kernel (M padded to 16) instead of the FMA one
     num_stages: int = 3
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
-    preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 4)
+    preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
     lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
@@ -175,8 +175,6 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    if PRELOAD >= 4:
-        w3, w3_up = _fma_weights(w_ptr, wu_ptr, offs_k, 3 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
     if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
@@ -195,11 +193,6 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         acc += x * w2
         if GATED:
             acc_up += x * w2_up
-    if PRELOAD >= 4:
-        x = _fma_x(x_ptr, offs_k, 3 * BLOCK_K, K, EVEN_K)
-        acc += x * w3
-        if GATED:
-            acc_up += x * w3_up
     for k in range(start, K_SPLIT, BLOCK_K):
         if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
             w, w_up = w_next, wu_next
@@ -359,7 +352,7 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # batch-1 decode graph 1.1444 -> 1.1392 ms (benchmarks/ab_thirteenth_session.json).
     # Seventeenth session: three chunks a split before the wait (benchmarks/
     # ab_seventeenth_session_e.json: batch-1 decode graph 1.0344 -> 1.0187 ms; four rows a
-    # program 1.0739).
+    # program 1.0739; four chunks, ab_seventeenth_session_f.json, 1.0225 -> 1.1667).
     (1, 1536, 8960, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
     (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
     # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
@@ -531,8 +524,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     else:
         if M > FMA_MAX_M:
             raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
-        if not 1 <= cfg.preload <= 4:
-            raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 4 K chunks early")
+        if not 1 <= cfg.preload <= 3:
+            raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,

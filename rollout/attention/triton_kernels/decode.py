@@ -235,7 +235,12 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     keys with the preload lost, 1.1048 / 1.1630; at 17-64 requests it lost, 1.5527 -> 1.5867 at
     batch 32, `ab_fifteenth_session_b.json`); and above 64 requests (sixteenth session, batch-128
     decode graph 1.8520 -> 1.8323 ms, `ab_sixteenth_session_d.json`; with 64 keys a block,
-    1.9422 at 4 warps and 1.9521 at 2)."""
+    1.9422 at 4 warps and 1.9521 at 2). Seventeenth session (`ab_seventeenth_session*.json`):
+    the preloaded first block summed after the split's other blocks, so that their loads issue
+    right after the wait, lost at batch 128 (decode graph 1.8346 -> 2.2625 ms: its keys and
+    values held across the loop spill registers), and so did the first block's slots alone
+    before the wait (32: 1.5538 -> 1.5677; 128: 1.9205) and, again, the keys and values
+    preloaded at 17-64 requests (batch 32 1.5339 -> 1.5428 with 2 warps, 1.5422 with 4)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
