@@ -129,12 +129,17 @@ def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.co
         else:
             w_up = tl.zeros_like(w)
     else:
-        k_ok = (offs_k + k < K)[None, None, :]
-        w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        if GATED:
-            w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        else:
-            w_up = tl.zeros_like(w)
+        w, w_up = _masked_weights(w_ptr, wu_ptr, k, (offs_k + k < K)[None, None, :], GATED)
+    return w, w_up
+
+
+@triton.jit
+def _masked_weights(w_ptr, wu_ptr, k, mask, GATED: tl.constexpr):
+    w = tl.load(w_ptr + k, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        w_up = tl.load(wu_ptr + k, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w_up = tl.zeros_like(w)
     return w, w_up
 
 
@@ -146,12 +151,7 @@ def _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k, K, K_SPLIT, EVEN_K: tl.constexp
     ok = (offs_k * 0 + k < K_SPLIT)[None, None, :]  # a tensor: the interpreter's masks
     if not EVEN_K:
         ok = ok & (offs_k + k < K)[None, None, :]
-    w = tl.load(w_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    if GATED:
-        w_up = tl.load(wu_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    else:
-        w_up = tl.zeros_like(w)
-    return w, w_up
+    return _masked_weights(w_ptr, wu_ptr, k, ok, GATED)
 
 
 @triton.jit
