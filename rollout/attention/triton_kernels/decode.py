@@ -107,8 +107,8 @@ def _decode_partial_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         loop_start = start
         if PRELOAD_KV:  # the first block: the new token's key and value (this step's) put in
-            # as rows loaded beside q (seventeenth session: the value's load placed after the
-            # scores waited a memory latency more; batch-1 decode graph -2.2% without it)
+            # as two rows loaded beside q (the value's had loaded after the scores, one memory
+            # latency later: seventeenth session, batch-1 decode graph ~2% faster without that)
             new = first_mask & (first_n == seq_len - 1)
             k_new = tl.load(K + new_slot * stride_kt + kv_head * stride_kh + offs_d, mask=d_mask,
                             other=0.0)
