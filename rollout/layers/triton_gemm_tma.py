@@ -55,6 +55,16 @@ def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.c
 
 
 @triton.jit
+def _tile_dot(x, w, acc, SWAP_AB: tl.constexpr, PREC: tl.constexpr):
+    """acc + x · w^T, or its transpose (w · x^T) accumulated when SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.dot(w, x.T, acc, input_precision=PREC)
+    else:
+        acc = tl.dot(x, w.T, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def tma_sums(x_desc, w_desc, off_m, off_n, off_n2, k_start, K_SPLIT, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
              PAIRED: tl.constexpr, PREC: tl.constexpr):
@@ -71,17 +81,9 @@ def tma_sums(x_desc, w_desc, off_m, off_n, off_n2, k_start, K_SPLIT, BLOCK_M: tl
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_start, k_start + K_SPLIT, BLOCK_K):
         x = x_desc.load([off_m, k])
-        w = w_desc.load([off_n, k])
-        if SWAP_AB:
-            acc = tl.dot(w, x.T, acc, input_precision=PREC)
-        else:
-            acc = tl.dot(x, w.T, acc, input_precision=PREC)
+        acc = _tile_dot(x, w_desc.load([off_n, k]), acc, SWAP_AB, PREC)
         if PAIRED:
-            w_up = w_desc.load([off_n2, k])
-            if SWAP_AB:
-                acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PREC)
-            else:
-                acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PREC)
+            acc_up = _tile_dot(x, w_desc.load([off_n2, k]), acc_up, SWAP_AB, PREC)
     if SWAP_AB:
         acc, acc_up = acc.T, acc_up.T
     return acc, acc_up
