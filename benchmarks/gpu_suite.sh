@@ -333,11 +333,6 @@ for stage in "$@"; do
               run parity17 240 bash -c 'PYTHONPATH=/tmp/base17:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
-    # eighteenth session: the norms in the one-row GEMVs (pending_norm)
-    norm-test) run norm_test 300 python3 -m pytest -q -m gpu tests/test_pending_norm.py tests/test_triton_gemv.py \
-              tests/test_triton_qkv_rope.py tests/test_split_sum.py -p no:cacheprovider ;;
-    ab18a) run ab18a 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab18a.json" ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

@@ -45,19 +45,11 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           packed: Optional[torch.Tensor] = None, defer_split: bool = False,
-           add_to: Optional[torch.Tensor] = None) -> Union[torch.Tensor, SplitSum]:
+           packed: Optional[torch.Tensor] = None,
+           defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     """F.linear on either device: CPU through `cpu_linear`, CUDA through the skinny-GEMM kernels
     where `use_skinny` says so, else cuBLAS. `defer_split`: the caller's reader takes a SplitSum
-    (a skinny GEMM split along K then returns its partials unsummed). `add_to`: the output is
-    added into this tensor in place (torch's rounded add), which is returned — in the GEMV's
-    epilogue where `triton_gemv.supports_add_to` says so."""
-    if add_to is not None:
-        if use_skinny(x, weight):
-            from rollout.layers import triton_gemv
-            if triton_gemv.supports_add_to(x, weight):
-                return triton_gemv.skinny_linear(x, weight, bias, add_to=add_to)
-        return add_to.add_(linear(x, weight, bias, packed))
+    (a skinny GEMM split along K then returns its partials unsummed)."""
     if not x.is_cuda:
         return cpu_linear(x, weight, bias, packed)
     if use_skinny(x, weight):
@@ -137,14 +129,8 @@ class RowParallelLinear(nn.Module):
 
     fp32_partials_supported = True  # False once torch.mm(..., out_dtype=) is found missing
 
-    def forward(self, x: torch.Tensor, defer_split: bool = False,
-                add_to: Optional[torch.Tensor] = None) -> Union[torch.Tensor, SplitSum]:
-        """`defer_split`: the caller's reader sums split-K partials itself (one rank, no bias).
-        `add_to`: the output is added into it in place (the residual stream), returned."""
-        if add_to is not None and self.tp.size == 1:
-            return linear(x, self.weight, self.bias, add_to=add_to)
-        if add_to is not None:
-            return add_to.add_(self.forward(x))
+    def forward(self, x: torch.Tensor, defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
+        """`defer_split`: the caller's reader sums split-K partials itself (one rank, no bias)."""
         if (self.tp.size > 1 and x.is_cuda and x.dtype != torch.float32
                 and RowParallelLinear.fp32_partials_supported):
             out = self._reduce_in_fp32(x)

@@ -115,7 +115,7 @@ def _gemm_tma_kernel(x_desc, w_desc, W, Bias, Y, P, M, N, K, K_SPLIT, stride_ym,
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
-              SPLIT, COMPILED, False)
+              SPLIT, COMPILED)
 
 
 _COMPILED = _is_compiled(_gemm_tma_kernel)

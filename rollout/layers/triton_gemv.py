@@ -56,7 +56,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from rollout.layers.pending_norm import PendingNorm
 from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_ops import _is_compiled, _round
 from rollout.triton_pdl import launch_options, pdl_wait
@@ -100,10 +99,8 @@ def _silu_mul(gate, up, dt: tl.constexpr, COMPILED: tl.constexpr):
 @triton.jit
 def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-              COMPILED: tl.constexpr, ADD_TO_Y: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 sums -> the rounded output, or fp32 partials when split along K.
-    ADD_TO_Y (unsplit, not gated): the rounded output is added to Y's values (the residual
-    stream) and the sum, rounded, stored in their place."""
+              COMPILED: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 sums -> the rounded output, or fp32 partials when split along K."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT > 1:  # partials [SPLIT, M, N] (gated: [SPLIT, M, 2N], up at N + n)
         width = 2 * N if GATED else N
@@ -119,10 +116,7 @@ def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
             if HAS_BIAS:
                 acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             out = _round(acc, dt, COMPILED)
-        y = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-        if ADD_TO_Y:
-            out = _round(out + tl.load(y, mask=mask, other=0.0).to(tl.float32), dt, COMPILED)
-        tl.store(y, out, mask=mask)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
 
 
 @triton.jit
@@ -213,86 +207,13 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
     return tl.sum(acc, axis=2), tl.sum(acc_up, axis=2)
 
 
-@triton.jit
-def fma_normed_row_sums(x_ptr, w_ptr, wu_ptr, nw_ptr, offs_k, K, eps, inv_k,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                        PRELOAD: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
-                        COMPILED: tl.constexpr, EXACT: tl.constexpr):
-    """`fma_row_sums` over x = RMSNorm(h) (pending_norm.PendingNorm), x_ptr pointing at h: the
-    whole K in CHUNKS (1 to 3) chunks of one program. The weight chunks past PRELOAD and h's go
-    out at once after the wait; each row's mean square comes from the h chunks in registers, and
-    each chunk is normalized as the norm kernel does (h·rsqrt(mean + eps) rounded, times the norm
-    weight rounded) before its FMAs. The norm weight is loaded before the wait, with the weights."""
-    w0, wu0 = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
-    nw0 = _fma_x(nw_ptr, offs_k, 0, K, EVEN_K)
-    if CHUNKS >= 2:
-        nw1 = _fma_x(nw_ptr, offs_k, BLOCK_K, K, EVEN_K)
-        if PRELOAD >= 2:
-            w1, wu1 = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
-    if CHUNKS >= 3:
-        nw2 = _fma_x(nw_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K)
-        if PRELOAD >= 3:
-            w2, wu2 = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-    if CHUNKS >= 2 and PRELOAD < 2:
-        w1, wu1 = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
-    if CHUNKS >= 3 and PRELOAD < 3:
-        w2, wu2 = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    h0 = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
-    squares = h0 * h0
-    if CHUNKS >= 2:
-        h1 = _fma_x(x_ptr, offs_k, BLOCK_K, K, EVEN_K)
-        squares += h1 * h1
-    if CHUNKS >= 3:
-        h2 = _fma_x(x_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K)
-        squares += h2 * h2
-    var = tl.sum(squares, axis=2) * inv_k
-    if COMPILED:
-        r = libdevice.rsqrt(var + eps)
-    else:  # the interpreter has no libdevice
-        r = tl.math.rsqrt(var + eps)
-    if EXACT:
-        r3 = r[:, :, None]  # [BLOCK_M, 1, 1]: a row's scale
-    else:
-        r3 = tl.full(r[:, :, None].shape, 1.0, tl.float32)
-    dt = x_ptr.dtype.element_ty
-    x = _normed(h0, r3, nw0, dt, COMPILED, EXACT)
-    acc = x * w0
-    acc_up = x * wu0
-    if CHUNKS >= 2:
-        x = _normed(h1, r3, nw1, dt, COMPILED, EXACT)
-        acc += x * w1
-        if GATED:
-            acc_up += x * wu1
-    if CHUNKS >= 3:
-        x = _normed(h2, r3, nw2, dt, COMPILED, EXACT)
-        acc += x * w2
-        if GATED:
-            acc_up += x * wu2
-    if EXACT:
-        return tl.sum(acc, axis=2), tl.sum(acc_up, axis=2)
-    return tl.sum(acc, axis=2) * r, tl.sum(acc_up, axis=2) * r
-
-
-@triton.jit
-def _normed(h, r, nw, dt: tl.constexpr, COMPILED: tl.constexpr, EXACT: tl.constexpr):
-    """The RMSNorm kernel's roundings: (h·r) to dt, then its product with the weight to dt;
-    not EXACT: h·w in fp32 (the row's scale applied to the sums)."""
-    if EXACT:
-        return _round(_round(h * r, dt, COMPILED) * nw, dt, COMPILED)
-    return h * nw
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
 def _gemv_fma_kernel(
-    X, W, W_UP, Bias, Y, P, NormW, M, N, K, K_SPLIT, stride_xm, stride_ym, eps, inv_k,
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr,
-    NORM_EXACT: tl.constexpr, ADD_TO_Y: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """NORM_CHUNKS > 0: X is h of a PendingNorm, normalized here (NormW: its weight). ADD_TO_Y:
-    Y holds the residual stream, and the output is added into it (rounded as torch's add)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,16 +224,10 @@ def _gemv_fma_kernel(
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
-    if NORM_CHUNKS > 0:
-        nw_ptr = NormW + offs_k[None, None, :]
-        acc, acc_up = fma_normed_row_sums(x_ptr, w_ptr, wu_ptr, nw_ptr, offs_k, K, eps, inv_k,
-                                          BLOCK_K, EVEN_K, GATED, PRELOAD, NORM_CHUNKS, USE_PDL,
-                                          COMPILED, NORM_EXACT)
-    else:
-        acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K,
-                                   GATED, PRELOAD, LOOKAHEAD, USE_PDL)
+    acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
+                               PRELOAD, LOOKAHEAD, USE_PDL)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
-              SPLIT, COMPILED, ADD_TO_Y)
+              SPLIT, COMPILED)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -355,7 +270,7 @@ def _gemv_dot_kernel(
         if GATED:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
-              HAS_BIAS, GATED, SPLIT, COMPILED, False)
+              HAS_BIAS, GATED, SPLIT, COMPILED)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -482,28 +397,17 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
 
 def load_tuned(path: str) -> int:
     """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
-    list of {M, N, K, gated, config: {...} or null}, `"add_to": true` for `_TUNED_ADD_TO`) to
-    `_TUNED`; returns how many. Read at
+    list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
     import from ROLLOUT_SKINNY_CONFIGS when set: another GPU's measured table, without a code
     change."""
     with open(path) as f:
         entries = json.load(f)
     for e in entries:
         cfg = e["config"]
-        table = _TUNED_ADD_TO if e.get("add_to") else _TUNED
-        table[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
+        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
             Config(**cfg) if cfg is not None else None)
     return len(entries)
 
-
-# A pending norm's roundings: the norm kernel's (h·rsqrt and its product with the weight each
-# rounded to the dtype) or, ROLLOUT_NORM_EXACT=0, none (h·w in fp32, the sums scaled by rsqrt).
-NORM_EXACT = os.environ.get("ROLLOUT_NORM_EXACT", "1") != "0"
-
-# GEMVs adding their output into the residual stream (`skinny_linear(..., add_to=)`, the
-# one-row o and down when the norms after them run in their readers, pending_norm): unsplit FMA
-# configs; a shape not listed takes its `_config` entry unsplit.
-_TUNED_ADD_TO: dict[tuple[int, int, int, bool], Optional[Config]] = {}
 
 if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
     load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
@@ -540,20 +444,6 @@ def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
     return Config(block_n, block_k, split_k, 4, dot)
 
 
-def add_to_config(M: int, N: int, K: int) -> Config:
-    """The launch config of a GEMV that adds its output into the residual stream: the FMA
-    kernel, unsplit (its epilogue needs the whole sums)."""
-    cfg = _TUNED_ADD_TO.get((triton.next_power_of_2(M), N, K, False))
-    return cfg if cfg is not None else _config(M, N, K)._replace(split_k=1)
-
-
-def norm_chunks(K: int, cfg: Config) -> int:
-    """The K chunks of one program when a GEMV with this config can normalize its input itself
-    (`fma_normed_row_sums`: the FMA kernel, unsplit, K in at most three chunks), else 0."""
-    chunks = triton.cdiv(K, cfg.block_k)
-    return chunks if not cfg.dot and not cfg.tma and cfg.split_k == 1 and chunks <= 3 else 0
-
-
 def _pow2_divisor(K: int, cap: int) -> int:
     """The largest power of two <= cap dividing K if >= 64 (no K masks), else min(cap, K's)."""
     b = cap
@@ -583,23 +473,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     return not cfg.tma or _tma_can_read(x, weight)
 
 
-def supports_pending_norm(norm: PendingNorm, weight: torch.Tensor, gated: bool = False) -> bool:
-    """True when the one-row GEMV of this weight (gated: the fused gate/up + SiLU) can take its
-    input as a PendingNorm (`norm_chunks`)."""
-    h = norm.h
-    if h.shape[0] > FMA_MAX_M or not supports(h, weight, gated):
-        return False
-    return norm_chunks(h.shape[1], _config(h.shape[0], weight.shape[0], h.shape[1], gated)) > 0
-
-
-def supports_add_to(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `skinny_linear(x, weight, add_to=...)` can run (the FMA kernel, unsplit)."""
-    if x.shape[0] > FMA_MAX_M or not supports(x, weight):
-        return False
-    cfg = add_to_config(x.shape[0], weight.shape[0], x.shape[1])
-    return not cfg.dot and not cfg.tma and cfg.split_k == 1
-
-
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The GPU has TMA (compute capability 9.0 and up: the table's TMA entries were measured on
     an H200 and an older GPU takes cuBLAS instead) and the rows start at multiples of 16 bytes."""
@@ -626,14 +499,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
-            defer_split: bool = False, norm: Optional[PendingNorm] = None,
-            add_to: bool = False) -> Union[torch.Tensor, SplitSum]:
-    """`norm`: x is its h, normalized by the kernel (FMA, unsplit); `add_to`: `out` holds the
-    residual stream and the output is added into it (FMA, unsplit)."""
+            defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
-    if cfg.tma and norm is None and not add_to:
+    if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)
     split, k_split = split_k_range(K, cfg)
@@ -641,42 +511,26 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     w_up = weight[N:] if gated else weight  # the up half's rows
+    args = (x, weight, w_up, bias_arg, out, partials, M, N, K, k_split, x.stride(0),
+            out.stride(0))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
                 **launch_options(preloads_weights=not cfg.dot))
     if cfg.dot:
-        if norm is not None or add_to:
-            raise ValueError(f"{cfg}: a pending norm or add_to takes the FMA kernel")
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-        _gemv_dot_kernel[grid](x, weight, w_up, bias_arg, out, partials, M, N, K, k_split,
-                               x.stride(0), out.stride(0), BLOCK_M=cfg.block_m, **meta,
+        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
                                PREC="ieee" if x.dtype == torch.float32 else "tf32")
-        return finish_split(partials, bias, out, gated, split, defer_split)
-    chunks = _check_fma(M, K, cfg, norm, add_to, gated)
-    preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
-    _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
-        x, weight, w_up, bias_arg, out, partials, norm.weight if norm is not None else out,
-        M, N, K, k_split, x.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
-        1.0 / K, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-        LOOKAHEAD=bool(cfg.lookahead), NORM_CHUNKS=chunks, NORM_EXACT=NORM_EXACT, ADD_TO_Y=add_to,
-        **meta)
+    else:
+        if M > FMA_MAX_M:
+            raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
+        if not 1 <= cfg.preload <= 3:
+            raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
+        preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
+        _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
+            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
+            LOOKAHEAD=bool(cfg.lookahead), **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
-
-
-def _check_fma(M: int, K: int, cfg: Config, norm: Optional[PendingNorm], add_to: bool,
-               gated: bool) -> int:
-    """Refuses what the FMA kernel cannot run with this config; the pending norm's K chunks."""
-    if M > FMA_MAX_M:
-        raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
-    if not 1 <= cfg.preload <= 3:
-        raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
-    if add_to and (gated or cfg.split_k != 1):
-        raise ValueError(f"{cfg}: add_to takes an unsplit config and no gate")
-    chunks = norm_chunks(K, cfg) if norm is not None else 0
-    if norm is not None and chunks == 0:
-        raise ValueError(f"{cfg}: a pending norm needs K = {K} in at most three chunks, unsplit")
-    return chunks
 
 
 def finish_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
@@ -718,44 +572,32 @@ def reduce_split(partials: torch.Tensor, bias: Optional[torch.Tensor], out: torc
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  config: Optional[Config] = None, defer_split: bool = False,
-                  add_to: Optional[torch.Tensor] = None) -> Union[torch.Tensor, SplitSum]:
+                  config: Optional[Config] = None,
+                  defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     """F.linear(x, weight, bias) for x [M, K] (1 <= M <= BATCH_MAX_M, rows contiguous), weight [N, K]
     contiguous, bias [N] or None; fp32 accumulation, output [M, N] in x's dtype rounded once.
     `config` overrides the launch config (benchmarks and tests). `defer_split`: when the config
     splits K, return the fp32 partials (and the bias) as a SplitSum instead of summing them
     here, for a reader that sums them itself (triton_ops.split_add_rms_norm, the rotary
-    kernel's `source`). `add_to` [M, N] (the residual stream): the output is added into it in
-    place, `add_to + F.linear(...)` rounded as torch adds, and it is returned (the FMA kernel,
-    unsplit: `add_to_config`)."""
+    kernel's `source`)."""
     _check(x, weight)
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
-    if add_to is None:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        return _launch(x, weight, bias, out, False, config, defer_split)
-    if (add_to.shape != (x.shape[0], weight.shape[0]) or add_to.dtype != x.dtype
-            or add_to.device != x.device or add_to.stride(1) != 1):
-        raise ValueError(f"add_to {tuple(add_to.shape)} {add_to.dtype} is not an [M, N] "
-                         f"tensor of x's dtype with contiguous rows")
-    cfg = config or add_to_config(x.shape[0], weight.shape[0], x.shape[1])
-    return _launch(x, weight, bias, add_to, False, cfg, add_to=True)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, False, config, defer_split)
 
 
-def skinny_gate_up_silu(x: Union[torch.Tensor, PendingNorm], weight_gate_up: torch.Tensor,
-                        inter: int, config: Optional[Config] = None) -> torch.Tensor:
+def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: int,
+                        config: Optional[Config] = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight_gate_up)) without writing the [M, 2·inter] intermediate:
     weight [2·inter, K] with gate rows [0, inter) and up rows [inter, 2·inter); returns
     silu(gate) · up [M, inter], rounded as the unfused path (gate and up rounded to the dtype).
-    Up to BATCH_MAX_M rows (the dot kernel tiles M above 16). x may be a PendingNorm, its norm
-    then computed by the kernel (the FMA kernel, unsplit, K in at most three chunks)."""
-    norm = x if isinstance(x, PendingNorm) else None
-    h = norm.h if norm is not None else x
-    _check(h, weight_gate_up)
+    Up to BATCH_MAX_M rows (the dot kernel tiles M above 16)."""
+    _check(x, weight_gate_up)
     if weight_gate_up.shape[0] != 2 * inter or inter < 1:
         raise ValueError(f"weight {tuple(weight_gate_up.shape)} is not [2·{inter}, K]")
-    out = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
-    return _launch(h, weight_gate_up, None, out, True, config, norm=norm)
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    return _launch(x, weight_gate_up, None, out, True, config)
 
 
 __all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M", "BATCH_MAX_M"]

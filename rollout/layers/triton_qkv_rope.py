@@ -23,7 +23,7 @@ ROLLOUT_FUSED_QKV_ROPE=0 turns it off, =one_row keeps the one-row kernel only.""
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -31,7 +31,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rollout.layers import triton_gemm_tma, triton_gemv
-from rollout.layers.pending_norm import PendingNorm
 from rollout.layers.triton_ops import KVStore, _round
 from rollout.triton_pdl import launch_options, pdl_wait
 
@@ -51,14 +50,12 @@ class QKVHeads(NamedTuple):
 
 @triton.jit(do_not_specialize=["M"])
 def _qkv_rope_kernel(
-    X, W, Bias, Y, Cos, Sin, Loc, KBuf, VBuf, NormW, M, K, K_SPLIT, stride_xm, stride_ym,
-    stride_ct, stride_st, stride_kb, stride_vb, eps, inv_k,
+    X, W, Bias, Y, Cos, Sin, Loc, KBuf, VBuf, M, K, K_SPLIT, stride_xm, stride_ym, stride_ct,
+    stride_st, stride_kb, stride_vb,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    COMPILED: tl.constexpr, PRELOAD: tl.constexpr, NORM_CHUNKS: tl.constexpr,
-    NORM_EXACT: tl.constexpr, USE_PDL: tl.constexpr,
+    COMPILED: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """NORM_CHUNKS > 0: X is h of a PendingNorm (NormW its weight), normalized here."""
     HALF: tl.constexpr = HEAD_DIM // 2
     per_head = HALF // PAIRS
     head = tl.program_id(0) // per_head
@@ -75,14 +72,8 @@ def _qkv_rope_kernel(
         bias = tl.load(Bias + rows_n).to(tl.float32)
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]
-    if NORM_CHUNKS > 0:
-        acc, _ = triton_gemv.fma_normed_row_sums(x_ptr, w_ptr, w_ptr, NormW + offs_k[None, None, :],
-                                                 offs_k, K, eps, inv_k, BLOCK_K, EVEN_K, False,
-                                                 PRELOAD, NORM_CHUNKS, USE_PDL, COMPILED,
-                                                 NORM_EXACT)
-    else:
-        acc, _ = triton_gemv.fma_row_sums(x_ptr, w_ptr, w_ptr, offs_k, K, K_SPLIT, BLOCK_K,
-                                          EVEN_K, False, PRELOAD, False, USE_PDL)
+    acc, _ = triton_gemv.fma_row_sums(x_ptr, w_ptr, w_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K,
+                                      False, PRELOAD, False, USE_PDL)
     if HAS_BIAS:
         acc += bias[None, :]
     x1, x2 = tl.split(tl.reshape(_round(acc, Y.dtype.element_ty, COMPILED), [BLOCK_M, PAIRS, 2]))
@@ -191,21 +182,13 @@ def fused_config(x: torch.Tensor, weight: torch.Tensor,
     return cfg
 
 
-def qkv_rope(x: Union[torch.Tensor, PendingNorm], weight: torch.Tensor,
-             bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, heads: QKVHeads,
-             kv: KVStore, config: triton_gemv.Config,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             cos: torch.Tensor, sin: torch.Tensor, heads: QKVHeads, kv: KVStore,
+             config: triton_gemv.Config, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) → [M, (q + 2·kv) · dim] with its q and k heads rotated (cos/sin
     [M, 1, dim/2] of x's dtype, as `apply_rotary_inplace`) and the rotated keys and the values
     written at the rows' KV slots (`kv`: its `v` is the output's value view, unused here).
-    `config`: from `fused_config`; `out`: where to write the output (a new tensor if None).
-    x may be a PendingNorm (the one-row kernel normalizes it: `triton_gemv.norm_chunks`)."""
-    norm = x if isinstance(x, PendingNorm) else None
-    if norm is not None:
-        x = norm.h
-        if config.tma or triton_gemv.norm_chunks(x.shape[1], config) == 0:
-            raise ValueError(f"{config}: a pending norm needs the one-row kernel with K = "
-                             f"{x.shape[1]} in at most three chunks")
+    `config`: from `fused_config`; `out`: where to write the output (a new tensor if None)."""
     M, K = x.shape
     half = heads.dim // 2
     for c in (cos, sin):
@@ -228,27 +211,23 @@ def qkv_rope(x: Union[torch.Tensor, PendingNorm], weight: torch.Tensor,
     if config.tma:
         _launch_tma(x, weight, bias, out, cos, sin, heads, kv, config)
     else:
-        _launch_fma(x, weight, bias, out, cos, sin, heads, kv, config, norm)
+        _launch_fma(x, weight, bias, out, cos, sin, heads, kv, config)
     return out
 
 
 def _launch_fma(x, weight, bias, out, cos, sin, heads: QKVHeads, kv: KVStore,
-                config: triton_gemv.Config, norm: Optional[PendingNorm]) -> None:
+                config: triton_gemv.Config) -> None:
     M, K = x.shape
     pairs = config.block_n // 2
     _, k_split = triton_gemv.split_k_range(K, config)  # whole chunks, as the plain GEMV's loop
     preload = max(1, min(config.preload, k_split // config.block_k))
     kb, vb = kv.k_buffer, kv.v_buffer
     _qkv_rope_kernel[((heads.q + 2 * heads.kv) * (heads.dim // 2) // pairs,)](
-        x, weight, bias if bias is not None else out, out, cos, sin, kv.loc, kb, vb,
-        norm.weight if norm is not None else out, M, K, k_split, x.stride(0), out.stride(0),
-        cos.stride(0), sin.stride(0), kb.stride(0), vb.stride(0),
-        norm.eps if norm is not None else 0.0, 1.0 / K,
+        x, weight, bias if bias is not None else out, out, cos, sin, kv.loc, kb, vb, M, K, k_split,
+        x.stride(0), out.stride(0), cos.stride(0), sin.stride(0), kb.stride(0), vb.stride(0),
         Q_HEADS=heads.q, KV_HEADS=heads.kv, HEAD_DIM=heads.dim, PAIRS=pairs,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0,
         HAS_BIAS=bias is not None, COMPILED=triton_gemv._COMPILED, PRELOAD=preload,
-        NORM_CHUNKS=triton_gemv.norm_chunks(K, config) if norm is not None else 0,
-        NORM_EXACT=triton_gemv.NORM_EXACT,
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         **launch_options(preloads_weights=True))
 

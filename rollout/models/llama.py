@@ -1,7 +1,6 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags), tensor-parallel ready."""
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
@@ -18,16 +17,10 @@ from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
                                    use_skinny)
 from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
-from rollout.layers.pending_norm import PendingNorm
 from rollout.layers.packed_weights import PackedWeights
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary_full_
 from rollout.layers.split_sum import SplitSum
 from rollout.models.weight_table import WeightTable
-
-# One-row decode on CUDA: the residual adds in the o and down GEMVs and the RMSNorms in the qkv
-# and gate/up GEMVs that read them (pending_norm), no norm kernel but the final one.
-# ROLLOUT_NORMS_IN_GEMVS=0: the add + norm kernels.
-NORMS_IN_GEMVS = os.environ.get("ROLLOUT_NORMS_IN_GEMVS", "1") != "0"
 
 
 class DecoderAttention(nn.Module):
@@ -53,19 +46,6 @@ class DecoderAttention(nn.Module):
         # Read by the post-attention add + RMSNorm, which can sum split-K partials itself.
         with pdl_policy.preloaders_early():
             return self.o_proj(out, defer_split=True)
-
-    def forward_into(self, rope: tuple[torch.Tensor, torch.Tensor], x: PendingNorm,
-                     fb: ForwardBatch) -> None:
-        """`forward` of the normed residual stream x.h, adding the output into x.h in place."""
-        fused = self._fused_qkv_rope(rope, x, fb)
-        if fused is None:  # the norm kernel, then the usual qkv path
-            qk, v, kv_stored = self._qkv_rotary_cuda(rope, x.tensor(), fb)
-        else:
-            (qk, v), kv_stored = self._heads(fused), True
-        q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        out = self.attn(q, k, v, fb, kv_stored)
-        with pdl_policy.preloaders_early():  # as in `forward`
-            self.o_proj(out, add_to=x.h)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q and k heads [n, heads + kv_heads, d], v heads [n, kv_heads, d]) views of qkv."""
@@ -96,22 +76,20 @@ class DecoderAttention(nn.Module):
             source=split)
         return qk, v, target is not None
 
-    def _fused_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor],
-                        x: Union[torch.Tensor, PendingNorm],
+    def _fused_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                         fb: ForwardBatch) -> Optional[torch.Tensor]:
         """At one row: qkv, the rotary and the KV cache write in one kernel (triton_qkv_rope),
         where the plain qkv GEMV would be the FMA kernel and the pool takes a fused store; else
-        None. x may be a PendingNorm, where the kernel can normalize it."""
+        None."""
         w = self.qkv_proj.weight
-        h = x.h if isinstance(x, PendingNorm) else x
-        if not use_skinny(h, w):
+        if not use_skinny(x, w):
             return None
-        from rollout.layers import triton_gemv, triton_qkv_rope
+        from rollout.layers import triton_qkv_rope
         heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
-        cfg = triton_qkv_rope.fused_config(h, w, heads)
-        if cfg is None or (h is not x and triton_gemv.norm_chunks(h.shape[1], cfg) == 0):
+        cfg = triton_qkv_rope.fused_config(x, w, heads)
+        if cfg is None:
             return None
-        out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc,
                                                          self._heads(out)[1])
         if target is None:
@@ -145,16 +123,6 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
-
-    def forward_into(self, x: PendingNorm) -> None:
-        """`forward` of the normed residual stream x.h, adding the output into x.h in place."""
-        w = self.gate_up_proj.weight
-        from rollout.layers import triton_gemv
-        if triton_gemv.supports_pending_norm(x, w, gated=True) and self.gate_up_proj.bias is None:
-            act = triton_gemv.skinny_gate_up_silu(x, w, self.inter)
-        else:
-            act = self.activation_cuda(x.tensor())
-        self.down_proj(act, add_to=x.h)
 
     def activation_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
@@ -190,30 +158,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(rope, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-    def forward_into(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                     fb: ForwardBatch) -> None:
-        """`forward` with the norms pending (`DecoderModel.norms_in_gemvs`): h, the residual
-        stream, is updated in place; each norm is computed by the GEMV that reads it."""
-        a, m = self.input_layernorm, self.post_attention_layernorm
-        self.self_attn.forward_into(rope, PendingNorm(h, a.weight, a.eps), fb)
-        self.mlp.forward_into(PendingNorm(h, m.weight, m.eps))
-
-    def norms_in_gemvs(self, h: torch.Tensor) -> bool:
-        """Whether `forward_into` serves this one-row CUDA step with every norm and residual
-        add inside a GEMV: one rank, no q/k norms, no o / down bias, the FMA kernels."""
-        a, m = self.self_attn, self.mlp
-        if (a.q_norm is not None or a.o_proj.tp.size != 1 or a.o_proj.bias is not None
-                or m.down_proj.bias is not None or m.gate_up_proj.bias is not None
-                or not use_skinny(h, m.gate_up_proj.weight, gated=True)):
-            return False
-        from rollout.layers import triton_gemv
-        norm = PendingNorm(h, self.input_layernorm.weight, self.input_layernorm.eps)
-        act = h.new_empty(1, m.inter)
-        return (triton_gemv.supports_pending_norm(norm, m.gate_up_proj.weight, gated=True)
-                and triton_gemv.supports_add_to(act, m.down_proj.weight)
-                and use_skinny(h, a.o_proj.weight)
-                and triton_gemv.supports_add_to(h, a.o_proj.weight))
 
     def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                     residual: Optional[torch.Tensor],
@@ -291,10 +235,6 @@ class DecoderModel(nn.Module):
         # once per step, shared by every layer: half tables for the CUDA kernel, full on CPU
         if h.is_cuda:
             rope = self.rotary.lookup(positions, h.dtype)
-            if self.norms_in_gemvs(h):
-                for layer in self.layers:
-                    layer.forward_into(rope, h, fb)
-                return self.norm(h)
             for layer in self.layers:
                 h, residual = layer(rope, h, residual, fb)
         else:
@@ -302,12 +242,6 @@ class DecoderModel(nn.Module):
             for layer in self.layers:
                 h, residual = layer.forward_cpu(rope, h, residual, fb)
         return self.norm(h, residual)[0]
-
-
-    def norms_in_gemvs(self, h: torch.Tensor) -> bool:
-        """One-row CUDA steps run the layers' `forward_into` (pending_norm) where they can."""
-        return (NORMS_IN_GEMVS and h.is_cuda and h.dim() == 2 and h.shape[0] == 1
-                and len(self.layers) > 0 and self.layers[0].norms_in_gemvs(h))
 
 
 class LlamaForCausalLM(nn.Module):
