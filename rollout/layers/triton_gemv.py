@@ -20,8 +20,8 @@ Two main kernels, picked by the launch config (`Config.dot`):
     accumulator of elementwise products over the K loop, reduced along K once at the end. Its
     loads are plain (not pipelined by Triton), so a thread has one weight chunk in flight:
     `Config.preload` puts more of them before the PDL wait, `Config.lookahead` issues the next
-    chunk's load (or the next two) before the FMA on this one (a long K, as down's 8,960, is
-    otherwise short of bytes in flight).
+    chunk's load before the FMA on this one (a long K, as down's 8,960, is otherwise short of
+    bytes in flight).
   * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; also decode
     batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`), M blocks innermost.
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
@@ -77,8 +77,7 @@ class Config(NamedTuple):
     num_stages: int = 3
     block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
     preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
-    lookahead: int = 0  # FMA kernel: load the next K chunk (1 / True) or the next two (2)
-    # before the FMA on this one
+    lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
     tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
     prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
@@ -178,12 +177,9 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
-    if LOOKAHEAD >= 1:  # the loop's first chunk goes out now, before the preloaded ones are used
+    if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
         w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start, K, K_SPLIT, EVEN_K,
                                              GATED)
-    if LOOKAHEAD >= 2:  # and its second
-        w_next2, wu_next2 = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start + BLOCK_K, K,
-                                               K_SPLIT, EVEN_K, GATED)
     x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
     acc = x * w
     acc_up = x * w_up
@@ -198,12 +194,7 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         if GATED:
             acc_up += x * w2_up
     for k in range(start, K_SPLIT, BLOCK_K):
-        if LOOKAHEAD >= 2:  # three chunks in flight
-            w, w_up = w_next, wu_next
-            w_next, wu_next = w_next2, wu_next2
-            w_next2, wu_next2 = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + 2 * BLOCK_K, K,
-                                                   K_SPLIT, EVEN_K, GATED)
-        elif LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
+        if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
             w, w_up = w_next, wu_next
             w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + BLOCK_K, K, K_SPLIT,
                                                  EVEN_K, GATED)
@@ -535,12 +526,10 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
             raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
         if not 1 <= cfg.preload <= 3:
             raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
-        if not 0 <= int(cfg.lookahead) <= 2:
-            raise ValueError(f"lookahead={cfg.lookahead}: the FMA kernel looks 0 to 2 chunks ahead")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=int(cfg.lookahead), **meta)
+            LOOKAHEAD=bool(cfg.lookahead), **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 
