@@ -333,6 +333,23 @@ for stage in "$@"; do
               run parity17 240 bash -c 'PYTHONPATH=/tmp/base17:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # eighteenth session: down two chunks ahead; the norm / merge kernels' warps (patched trees)
+    ab18b) for t in nw4 nw16 mw1; do rm -rf /tmp/$t && mkdir -p /tmp/$t && cp -r rollout benchmarks /tmp/$t/; done
+           sed -i '135s/num_warps=_num_warps(block)/num_warps=4/' /tmp/nw4/rollout/layers/triton_ops.py
+           sed -i '135s/num_warps=_num_warps(block)/num_warps=16/' /tmp/nw16/rollout/layers/triton_ops.py
+           sed -i '304s/num_warps=4/num_warps=1/' /tmp/mw1/rollout/attention/triton_kernels/decode.py
+           grep -c "num_warps=4, enable_fp" /tmp/nw4/rollout/layers/triton_ops.py; grep -c "num_warps=16, enable" /tmp/nw16/rollout/layers/triton_ops.py
+           grep -c "NUM_SPLITS=num_splits, num_warps=1" /tmp/mw1/rollout/attention/triton_kernels/decode.py
+           run ab18b 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab18b.json" ;;
+    ab18c) for t in nw8 nw32 mw2; do rm -rf /tmp/$t && mkdir -p /tmp/$t && cp -r rollout benchmarks /tmp/$t/; done
+           sed -i 's/^ONE_ROW_NORM_ELEMENTS_PER_THREAD = 4/ONE_ROW_NORM_ELEMENTS_PER_THREAD = 8/' /tmp/nw8/rollout/layers/triton_ops.py
+           sed -i 's/^ONE_ROW_NORM_ELEMENTS_PER_THREAD = 4/ONE_ROW_NORM_ELEMENTS_PER_THREAD = 2/' /tmp/nw32/rollout/layers/triton_ops.py
+           sed -i '304s/num_warps=4/num_warps=2/' /tmp/mw2/rollout/attention/triton_kernels/decode.py
+           grep -h "^ONE_ROW_NORM" /tmp/nw8/rollout/layers/triton_ops.py /tmp/nw32/rollout/layers/triton_ops.py
+           grep -c "NUM_SPLITS=num_splits, num_warps=2" /tmp/mw2/rollout/attention/triton_kernels/decode.py
+           run ab18c 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab18c.json" ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

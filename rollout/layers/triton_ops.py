@@ -49,6 +49,19 @@ def _num_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
+# A norm of one row (batch-1 decode) is a single program on the step's critical path: more
+# warps, fewer of its elements a thread (eighteenth session, benchmarks/
+# ab_eighteenth_session_b.json: 16 warps for a 1,536-wide row instead of 8, batch-1 decode
+# graph 1.0212 -> 1.0146 ms; 4 warps 1.0278)
+ONE_ROW_NORM_ELEMENTS_PER_THREAD = 4
+
+
+def _norm_warps(block: int, programs: int) -> int:
+    if programs == 1:
+        return min(32, max(1, block // (32 * ONE_ROW_NORM_ELEMENTS_PER_THREAD)))
+    return _num_warps(block)
+
+
 @triton.jit
 def _round(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
     """fp32 x rounded to `dtype` (to nearest even, as torch casts) and returned as fp32."""
@@ -127,12 +140,13 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, splits: int = 
     block = triton.next_power_of_2(n)
     has_res = residual is not None
     stride_x0, stride_x1, stride_split = x_strides
-    _rms_norm_kernel[(o3.shape[0] * o3.shape[1],)](
+    programs = o3.shape[0] * o3.shape[1]
+    _rms_norm_kernel[(programs,)](
         x3, residual if has_res else x3, weight, o3, residual_out if has_res else o3,
         eps, 1.0 / n, stride_x0, stride_x1, residual.stride(0) if has_res else 0,
         o3.stride(0), o3.stride(1), o3.shape[1], stride_split,
         N=n, BLOCK=block, HAS_RESIDUAL=has_res, SPLIT=splits, COMPILED=_COMPILED,
-        num_warps=_num_warps(block), enable_fp_fusion=False, **launch_options())
+        num_warps=_norm_warps(block, programs), enable_fp_fusion=False, **launch_options())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
