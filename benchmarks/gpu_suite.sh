@@ -350,6 +350,21 @@ for stage in "$@"; do
            grep -c "NUM_SPLITS=num_splits, num_warps=2" /tmp/mw2/rollout/attention/triton_kernels/decode.py
            run ab18c 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/ab18c.json" ;;
+    ab18d) rm -rf /tmp/nw16r && mkdir -p /tmp/nw16r && cp -r rollout benchmarks /tmp/nw16r/
+           sed -i 's/    if programs == 1:/    if programs <= 256:/' /tmp/nw16r/rollout/layers/triton_ops.py
+           grep -c "if programs <= 256:" /tmp/nw16r/rollout/layers/triton_ops.py
+           run ab18d 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 100 --out "$OUT/ab18d.json" ;;
+    ab18e) rm -rf /tmp/nw32r && mkdir -p /tmp/nw32r && cp -r rollout benchmarks /tmp/nw32r/
+           sed -i 's/^FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 4/FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 2/' /tmp/nw32r/rollout/layers/triton_ops.py
+           grep -c "^FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 2" /tmp/nw32r/rollout/layers/triton_ops.py
+           run ab18e 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eighteenth_session_e.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 100 --out "$OUT/ab18e.json" ;;
+    # the engine's sampled tokens and logprobs: the session's starting tree (ac27f7b) against this one's
+    parity18) mkdir -p /tmp/base18 && tar -xf base18.tar -C /tmp/base18
+              run parity18 220 bash -c 'PYTHONPATH=/tmp/base18:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
+              && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then

@@ -49,17 +49,23 @@ def _num_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-# A norm of one row (batch-1 decode) is a single program on the step's critical path: more
-# warps, fewer of its elements a thread (eighteenth session, benchmarks/
-# ab_eighteenth_session_b.json: 16 warps for a 1,536-wide row instead of 8, batch-1 decode
-# graph 1.0212 -> 1.0146 ms; 4 warps 1.0278)
+# A decode step's norm is one program a row, at most two an SM (a CUDA graph's batch is at most
+# 256 rows), on the step's critical path: more warps, fewer of a row's elements a thread
+# (eighteenth session, 1,536-wide rows. One row, 16 warps instead of 8: batch-1 decode graph
+# 1.0212 -> 1.0148 ms, 4 warps 1.0278, 32 warps 1.0219 (benchmarks/ab_eighteenth_session_b.json,
+# _c). Decode batches, 16 warps: batch 32 1.5342 -> 1.5222, batch 128 1.8364 -> 1.7952 (_d);
+# 32: 1.5022 -> 1.4981 and 1.7920 -> 1.7844 (_e)). Prefill chunks keep 8.
+FEW_ROWS_NORM_PROGRAMS = 256
 ONE_ROW_NORM_ELEMENTS_PER_THREAD = 4
+FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 2
 
 
 def _norm_warps(block: int, programs: int) -> int:
-    if programs == 1:
-        return min(32, max(1, block // (32 * ONE_ROW_NORM_ELEMENTS_PER_THREAD)))
-    return _num_warps(block)
+    if programs > FEW_ROWS_NORM_PROGRAMS:
+        return _num_warps(block)
+    per_thread = (ONE_ROW_NORM_ELEMENTS_PER_THREAD if programs == 1
+                  else FEW_ROWS_NORM_ELEMENTS_PER_THREAD)
+    return min(32, max(1, block // (32 * per_thread)))
 
 
 @triton.jit
