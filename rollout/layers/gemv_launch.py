@@ -1,0 +1,190 @@
+"""The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, triton_qkv_rope): the
+`Config` of a launch, the table measured on an H200 for the Qwen2-1.5B decode shapes (`_TUNED`,
+one entry per (rows rounded up to a power of two, N, K, gated); None: cuBLAS measured faster),
+another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS) and the heuristic for the
+shapes the table does not list (`_config`). Plain Python: the kernels are in triton_gemv."""
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Optional
+
+import triton
+
+MAX_M = 16  # rows served without a tuned entry (the heuristic config)
+BATCH_MAX_M = 256  # rows served at all: above MAX_M the dot kernel tiles M (decode batches)
+FMA_MAX_M = 16
+DOT_M = 16  # rows x is padded to in the dot kernel (tl.dot needs >= 16)
+MAX_SPLIT_K = 16
+NUM_SMS_H200 = 132
+
+
+class Config(NamedTuple):
+    block_n: int  # weight rows per program (per half, for the gated variant)
+    block_k: int  # K chunk per loop iteration
+    split_k: int = 1  # programs along K (> 1: fp32 partials + a reduce kernel)
+    num_warps: int = 4
+    dot: bool = False  # tensor-core kernel (M padded to 16) instead of the FMA one
+    num_stages: int = 3
+    block_m: int = 16  # dot kernel: rows per program (M above it: more programs along M)
+    preload: int = 1  # FMA kernel: K chunks of the weight loaded before the PDL wait (1 to 3)
+    lookahead: bool = False  # FMA kernel: load the next K chunk before the FMA on this one
+    tma: bool = False  # dot kernel: tiles loaded by TMA (triton_gemm_tma)
+    swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
+    prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
+    # the PDL wait (0: none)
+
+
+# (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's
+# rows, 2·I for the gated variant). M is looked up rounded up to a power of two.
+# None: cuBLAS (+ the separate SiLU kernel, when gated) measured faster, so `supports` says no.
+# Measured on one H200 (`bash benchmarks/gpu_suite.sh gemv`, 2026-11-30) for the Qwen2-1.5B
+# shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
+# the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
+# to 128 (split along K: o at 32-128, qkv at 32), for down 32 to 128, all with TMA:
+# `bash benchmarks/gpu_suite.sh gemm-tma tma10`, thirteenth session `split-norm`);
+# other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
+_TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
+_TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
+    # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
+    # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
+    # alone, without preload: qkv 4.0 µs with 4 rows a program, cuBLAS 5.2; o 3.6, cuBLAS 6.5)
+    (1, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    (1, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
+    # gate_up + SiLU: K chunks of 512, two of the three loaded before the PDL wait (eighth
+    # session, in the engine: batch-1 graph 1.242 ms with the sixth session's (2, 256) -> 1.156;
+    # alone 15.4 µs without the preload, cuBLAS + SiLU 18.2), the third issued right after the
+    # wait (lookahead; seventeenth session, benchmarks/ab_seventeenth_session_c.json: batch-1
+    # decode graph 1.0584 -> 1.0350 ms; it had loaded after the first two chunks' FMAs)
+    (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
+    (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5 (TMA: graph +6% at batch 32)
+    # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
+    # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
+    (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
+    # 65-128 rows: TMA-fed with swapped A/B (the weight tile on wgmma's 64-row side, x's 64
+    # rows on the other; tenth session: alone 22.0 µs vs 22.8 for the kernel without TMA and
+    # 23.1 for cuBLAS + SiLU; batch-128 decode graph 1.9803 -> 1.9506 ms,
+    # benchmarks/ab_tenth_session_b.json)
+    # + (thirteenth session) its first 256 columns prefetched into L2 before the PDL wait, with
+    # the other 128-row TMA entries' (below; benchmarks/ab_thirteenth_session_c.json: batch-128
+    # decode graph 1.8739 -> 1.8602 ms with qkv and o whole, gate/up 256 and down 512 columns;
+    # qkv and o alone 1.8687; gate/up 512 and down whole 1.9546; at 32 and 64 rows every
+    # prefetch lost, 0.3-9%, so their entries have none)
+    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
+                                     prefetch_k=256),
+    (256, 17920, 1536, True): None,  # 40.0 vs 27.1
+    # down: the next K chunk's load issued before the FMA on this one, two chunks before the
+    # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
+    # graph 1.263 -> 1.242 ms with it, then 1.168 -> 1.160 with the preload)
+    # Thirteenth session: K split in 2, the partials summed by the residual add + RMSNorm after
+    # down (SplitSum): down + add-norm 9.89 µs vs 10.07 unsplit (10.65 with a reduce kernel);
+    # batch-1 decode graph 1.1444 -> 1.1392 ms (benchmarks/ab_thirteenth_session.json).
+    # Seventeenth session: three chunks a split before the wait (benchmarks/
+    # ab_seventeenth_session_e.json: batch-1 decode graph 1.0344 -> 1.0187 ms; four rows a
+    # program 1.0739; four chunks, ab_seventeenth_session_f.json, 1.0225 -> 1.1667).
+    (1, 1536, 8960, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
+    (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
+    # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
+    # of 128, six in flight (ninth session; alone at 128 rows qkv 5.0 µs vs cuBLAS 6.0, o 4.8 vs
+    # 5.5; in the engine the decode graph -2.1% at batches 32, 64 and 128,
+    # benchmarks/ab_ninth_session_d.json). The fourth session's M-tiled kernel without TMA lost
+    # to cuBLAS at every batch (qkv 6.5-8.3 µs vs 5.3-6.1). 256 rows: not measured, cuBLAS.
+    # 32 rows: K split in 2, the partials and bias summed by the rotary kernel that reads qkv
+    # (thirteenth session, benchmarks/ab_thirteenth_session_f.json: batch-32 decode graph
+    # 1.5858 -> 1.5690 ms; at 64 rows a tie, 1.6025 / 1.6024; at 128 slower, 1.8611 -> 1.9218;
+    # split in 3 slower at all three)
+    (32, 2048, 1536, False): _TMA_QKV_O._replace(split_k=2),
+    (64, 2048, 1536, False): _TMA_QKV_O,
+    (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # L2 prefetch: gate/up's
+    (256, 2048, 1536, False): None,
+    # o at decode batches split along K, its partials summed by the post-attention add + RMSNorm
+    # (thirteenth session, benchmarks/gpu_split_norm.py --shape o: o + add-norm at 32 / 64 / 128
+    # rows 5.17 / 5.15 / 5.68 µs vs 5.93 / 5.74 / 5.86 with the unsplit _TMA_QKV_O; in the
+    # engine, benchmarks/ab_thirteenth_session_b.json, decode graph batch 32 1.5996 -> 1.5830
+    # ms, 64 1.6312 -> 1.5986, 128 1.8728 -> 1.8692). With a reduce kernel they lose.
+    (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
+    (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
+    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True, prefetch_k=1536),
+    (256, 1536, 1536, False): None,
+    # down at decode batches of 17-64 rows: TMA-fed, K = 8,960 split in 7 / 5 (fp32 partials
+    # summed in split order), 64-row tiles 128 / 64 columns wide (tenth session; alone 10.5 µs
+    # vs cuBLAS 11.5 at 32 rows, 10.6 vs 11.6 at 64; in the engine, benchmarks/
+    # ab_tenth_session.json, decode graph batch 32 1.6462 -> 1.6173 ms, batch 64 1.6672 ->
+    # 1.6492). At 128 rows no config beat cuBLAS (12.0 µs; 12.05 swapped, 12.35 not).
+    (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
+    (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
+    # 128 rows: cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35; in the engine (twelfth
+    # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
+    # and its reduce kernel; with its partials summed by the add + norm after it instead
+    # (thirteenth session: down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) 1.8907 ->
+    # 1.8690 ms (benchmarks/ab_thirteenth_session.json).
+    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
+                                     prefetch_k=512),  # L2 prefetch: see gate/up's entry
+    (256, 1536, 8960, False): None,  # 25.6 vs 17.7
+}
+
+
+def load_tuned(path: str) -> int:
+    """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
+    list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
+    import from ROLLOUT_SKINNY_CONFIGS when set: another GPU's measured table, without a code
+    change."""
+    with open(path) as f:
+        entries = json.load(f)
+    for e in entries:
+        cfg = e["config"]
+        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
+            Config(**cfg) if cfg is not None else None)
+    return len(entries)
+
+
+if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
+    load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
+
+
+def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
+    """The launch config for an [M, K] x [N, K]^T GEMM (N: all weight rows, 2·I when gated)."""
+    tuned = _TUNED.get((triton.next_power_of_2(M), N, K, gated))
+    if tuned is not None:
+        return tuned
+    rows = N // 2 if gated else N  # output columns; a gated program loads 2·block_n rows
+    halves = 2 if gated else 1
+    if M > DOT_M:  # a decode batch: 64-row tiles on the tensor cores
+        return Config(64, 64, 1, 4, True, 3, 64)
+    if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs
+        block_k = _pow2_divisor(K, 512)
+        block_n = max(4, 4096 // block_k // halves)
+        while block_n > 4 and triton.cdiv(rows, block_n) < 4 * NUM_SMS_H200:
+            block_n //= 2
+        dot = False
+    else:  # tensor cores, x padded to 16 rows; cp.async pipelines 3 stages of [block_n, block_k]
+        block_k = _pow2_divisor(K, 256 if M <= 8 else 128)
+        block_n = 64
+        while block_n > 16 and triton.cdiv(rows, block_n) < 2 * NUM_SMS_H200:
+            block_n //= 2
+        dot = True
+    # split K (evenly, >= 4 iterations a split) while the N blocks alone leave SMs idle
+    programs, chunks, split_k = triton.cdiv(rows, block_n), triton.cdiv(K, block_k), 1
+    for s in range(2, MAX_SPLIT_K + 1):
+        if programs * split_k >= 2 * NUM_SMS_H200:
+            break
+        if chunks % s == 0 and chunks // s >= 4:
+            split_k = s
+    return Config(block_n, block_k, split_k, 4, dot)
+
+
+def _pow2_divisor(K: int, cap: int) -> int:
+    """The largest power of two <= cap dividing K if >= 64 (no K masks), else min(cap, K's)."""
+    b = cap
+    while b >= 64:
+        if K % b == 0:
+            return b
+        b //= 2
+    return min(cap, max(16, triton.next_power_of_2(K)))
+
+
+def split_k_range(K: int, cfg: Config) -> tuple[int, int]:
+    """(programs along K, K a program covers: whole chunks, the last split's range may run past
+    K) for a launch config."""
+    split = cfg.split_k
+    return split, triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
