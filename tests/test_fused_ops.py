@@ -81,7 +81,7 @@ HIDDEN = [64, 96, 1536]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", ROWS + [300])  # 300: past the few-rows launch (16 warps a row)
+@pytest.mark.parametrize("rows", ROWS + [300])  # 300: past the few-rows launch (`_norm_warps`)
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_fused_add_rms_norm(dtype, rows, hidden):
     x, res = rand(rows, hidden, dtype=dtype, seed=rows), rand(rows, hidden, dtype=dtype, seed=99)

@@ -54,14 +54,16 @@ def _num_warps(block: int) -> int:
 # (eighteenth session, 1,536-wide rows. One row, 16 warps instead of 8: batch-1 decode graph
 # 1.0212 -> 1.0148 ms, 4 warps 1.0278, 32 warps 1.0219 (benchmarks/ab_eighteenth_session_b.json,
 # _c). Decode batches, 16 warps: batch 32 1.5342 -> 1.5222, batch 128 1.8364 -> 1.7952 (_d);
-# 32: 1.5022 -> 1.4981 and 1.7920 -> 1.7844 (_e)). Prefill chunks keep 8.
+# 32: 1.5022 -> 1.4981 and 1.7920 -> 1.7844 (_e)). Prefill chunks keep 8, and rows narrower
+# than a hidden state (Qwen3's per-head q/k norms) their measured launch.
 FEW_ROWS_NORM_PROGRAMS = 256
+FEW_ROWS_NORM_MIN_BLOCK = 1024
 ONE_ROW_NORM_ELEMENTS_PER_THREAD = 4
 FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 2
 
 
 def _norm_warps(block: int, programs: int) -> int:
-    if programs > FEW_ROWS_NORM_PROGRAMS:
+    if programs > FEW_ROWS_NORM_PROGRAMS or block < FEW_ROWS_NORM_MIN_BLOCK:
         return _num_warps(block)
     per_thread = (ONE_ROW_NORM_ELEMENTS_PER_THREAD if programs == 1
                   else FEW_ROWS_NORM_ELEMENTS_PER_THREAD)
