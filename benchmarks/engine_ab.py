@@ -1,7 +1,7 @@
 """Engine A/B on one GPU: the decode benchmark (engine alone) once per variant and round, one
 process each, variants alternated, so every variant sees the same machine drift. A variant is
 environment variables and/or skinny-GEMM launch-config entries (written to a file for
-ROLLOUT_SKINNY_CONFIGS, as `triton_gemv.load_tuned` reads it; "configs_file" instead names such a
+ROLLOUT_SKINNY_CONFIGS, as `gemv_launch.load_tuned` reads it; "configs_file" instead names such a
 file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded; "script" runs
 another script that takes decode_throughput.py's arguments, e.g. decode_ablated.py; "tree" runs
 the variant from another source tree, e.g. an earlier commit unpacked from `git archive`, to

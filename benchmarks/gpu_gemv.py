@@ -268,7 +268,7 @@ def main() -> None:
     p.add_argument("--batch-rows", nargs="*", type=int, default=[32, 64, 128, 256],
                    help="decode batches (the M-tiled kernel), for every shape but the LM head")
     p.add_argument("--configs-out", default=None,
-                   help="JSON for triton_gemv.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
+                   help="JSON for gemv_launch.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
                         "per case, null where cuBLAS was faster")
     args = p.parse_args()
     t0 = time.perf_counter()

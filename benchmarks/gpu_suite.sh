@@ -333,7 +333,10 @@ for stage in "$@"; do
               run parity17 240 bash -c 'PYTHONPATH=/tmp/base17:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
-    # eighteenth session: down two chunks ahead; the norm / merge kernels' warps (patched trees)
+    # eighteenth session: down two chunks ahead; the norm / merge kernels' warps (patched trees).
+    # Each patches the code it was measured on: run it from that tree (ab18b: d03a162; ab18c and
+    # ab18d: fe1a4d2; ab18e: d07210a with FEW_ROWS_NORM_ELEMENTS_PER_THREAD = 4); on later code
+    # the patches match nothing (the stage's grep counts print 0) and the variants equal "now".
     ab18b) for t in nw4 nw16 mw1; do rm -rf /tmp/$t && mkdir -p /tmp/$t && cp -r rollout benchmarks /tmp/$t/; done
            sed -i '135s/num_warps=_num_warps(block)/num_warps=4/' /tmp/nw4/rollout/layers/triton_ops.py
            sed -i '135s/num_warps=_num_warps(block)/num_warps=16/' /tmp/nw16/rollout/layers/triton_ops.py

@@ -58,10 +58,10 @@ from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_ops import _is_compiled, _round
 from rollout.triton_pdl import launch_options, pdl_wait
 
-# the launch API, re-exported: callers and benchmarks read it from here
+# the launch API, re-exported: callers, tests and benchmarks read it from here
 from rollout.layers.gemv_launch import (  # noqa: F401
-    BATCH_MAX_M, DOT_M, FMA_MAX_M, MAX_M, MAX_SPLIT_K, NUM_SMS_H200, Config, _TUNED, _config,
-    load_tuned, split_k_range)
+    BATCH_MAX_M, FMA_MAX_M, MAX_M, MAX_SPLIT_K, NUM_SMS_H200, Config, _TUNED, _config,
+    split_k_range)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
