@@ -370,6 +370,25 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # the fused sampler's specs on the GPU (both launch shapes of the tests, chi-square)
     sampler-test) run sampler_test 200 python3 -m pytest -q -m gpu tests/test_triton_sampler.py -p no:cacheprovider ;;
+    # nineteenth session: a call's wall time split unprofiled (fixed cost, a step's slope, the
+    # graph's replay: what a step spends outside the graph), engine alone
+    breakdown) run breakdown 300 python3 benchmarks/call_breakdown.py --batch-sizes ${BD_BATCHES:-1 128} \
+              --out "$OUT/breakdown.json" ;;
+    # nineteenth session: the specs of the step's new outside-graph path (the graph's input kernel,
+    # the pinned sampler pack, the copy stream), of the embedding + rotary kernel, and the
+    # engine-level ones around them
+    smoke19) run smoke19 360 bash -c 'python3 -m pytest -q tests/test_graph_inputs.py tests/test_triton_embed.py -p no:cacheprovider \
+              && python3 -m pytest -q -m gpu tests/test_triton_sampler.py tests/test_overlap_schedule.py tests/test_triton_kernels.py \
+              tests/test_batch_builder.py tests/test_sampler.py tests/test_fused_ops.py -p no:cacheprovider' ;;
+    # the session's start (base19.tar: `git archive 724580c`, carried untracked) against now and
+    # the three changes one at a time off
+    ab19a) mkdir -p /tmp/base19 && tar -xf base19.tar -C /tmp/base19
+           run ab19a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_nineteenth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 128} --repeats 2 --timeout-s 100 --out "$OUT/ab19a.json" ;;
+    parity19) mkdir -p /tmp/base19 && tar -xf base19.tar -C /tmp/base19
+              run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
+              && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

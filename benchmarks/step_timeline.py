@@ -88,7 +88,7 @@ def analyse(trace: dict, new_tokens: int) -> dict:
     picks = [e for s, e, n in evs if n.startswith(STEP_END)]
     first_gpu, last_gpu = evs[0][0], max(e for _, e, _ in evs)
     prefill_end = picks[0] if picks else last_gpu
-    prefill_busy, _ = busy_and_gaps(evs, first_gpu, prefill_end)
+    prefill_busy, prefill_gaps = busy_and_gaps(evs, first_gpu, prefill_end)
     steps = [b - a for a, b in zip(picks, picks[1:])]
     busy, gaps = busy_and_gaps(evs, first_gpu, last_gpu)
     _, decode_gaps = busy_and_gaps(evs, prefill_end, picks[-1] if picks else last_gpu)
@@ -107,6 +107,8 @@ def analyse(trace: dict, new_tokens: int) -> dict:
         "prefill_and_first_token_ms": ms(prefill_end - first_gpu),
         "prefill_gpu_busy_ms": ms(prefill_busy),
         "prefill_by_name_ms": by_name(evs, first_gpu, prefill_end),
+        # the prefill window's idle gaps of 5 µs or more, in order: what the GPU waited for
+        "prefill_gaps_us": [[round(g, 1), short(a), short(b)] for g, a, b in prefill_gaps if g >= 5],
         "decode_ms": ms((picks[-1] if picks else last_gpu) - prefill_end),
         "tail_ms": ms(t1 - (picks[-1] if picks else last_gpu)) if host else None,
         "steps": len(steps),

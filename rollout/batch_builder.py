@@ -17,6 +17,7 @@ import torch
 
 from rollout.forward_batch import (INDEX_FIELDS, LOGITS_ROWS, NUM_TOKEN_FIELDS, ForwardBatch, ForwardMode,
                                    HostIndices)
+from rollout.host_to_device import to_device
 from rollout.kv_allocator import KVAllocator
 from rollout.sampling_info import SamplingBatchInfo
 
@@ -113,7 +114,7 @@ def build_decode_batch(rows: list[int], tokens: list[int], kv_lens: list[int], a
         host[num_index].view(np.float64)[:] = sampling_info.uniforms_at(seq_lens)
     packed = torch.from_numpy(host)
     hi = HostIndices(INDEX_FIELDS, [b] * num_index, packed[:num_index].view(-1))
-    dev = packed if device.type == "cpu" else packed.pin_memory().to(device, non_blocking=True)
+    dev = to_device(packed, device)
     ids, pos, loc, tok_rows, req_rows, lens, ext_d, prefix_d = dev[:num_index].unbind(0)
     if sampling_info is not None:
         sampling_info.uniforms = dev[num_index].view(torch.float64)
@@ -127,5 +128,4 @@ def build_decode_batch(rows: list[int], tokens: list[int], kv_lens: list[int], a
 
 def _to_device(host: HostIndices, device: torch.device) -> list[torch.Tensor]:
     """One host-to-device copy for all of a step's int64 metadata, split into views there."""
-    flat = host.flat if device.type == "cpu" else host.flat.pin_memory().to(device, non_blocking=True)
-    return list(flat.split(host.sizes))
+    return list(to_device(host.flat, device).split(host.sizes))

@@ -11,8 +11,8 @@ reuse the largest one's memory.
 
 Padding: a batch of 5 replays the graph of 8. Padded rows decode token 0 at position 0 of
 request row 0 with seq_len 1 and write their KV to slot 0, the dummy slot nobody reads as a
-real token; they never touch req_to_token, which the ModelRunner writes from the real batch
-outside the graph. Their logits are dropped.
+real token; they never touch req_to_token, which is written from the real batch outside the
+graph, with the static inputs, by one kernel (`triton_graph_inputs`). Their logits are dropped.
 
 Weights are updated in place (`copy_`), so the graphs stay valid across weight updates. Releasing
 memory (ModelRunner.release_memory) is the exception: the freed KV and weight storages come back
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rollout import pdl_policy
+from rollout import pdl_policy, triton_graph_inputs
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
 from rollout.graph_capture import capture_graph
 from rollout.prefill_graphs import PrefillGraphs
@@ -71,9 +71,19 @@ class GraphInputs:
         """Every row back to the padded-row values."""
         self.table.copy_(self.pad)
 
-    def fill(self, fb: ForwardBatch, graph_bs: int) -> None:
-        """Copy the real rows of fb, then reset rows bs..graph_bs to the padding values: one
-        copy each when fb's indices are packed (as `build_decode_batch` makes them)."""
+    def fill(self, fb: ForwardBatch, graph_bs: int, model_runner: "ModelRunner") -> None:
+        """The real rows of fb (their pending input ids taken in), rows bs..graph_bs back to the
+        padding values, and the step's KV slots into req_to_token: one kernel when fb's indices
+        are packed (as the batch builders make them, `triton_graph_inputs`), else a copy each
+        and the pool's write."""
+        src = fb.stacked(PAD_FIELDS)
+        if src is not None and triton_graph_inputs.FUSED_GRAPH_INPUTS:
+            triton_graph_inputs.fill_decode_inputs(
+                src, self.table, self.pad, fb.input_ids_source,
+                model_runner.req_to_token_pool.req_to_token, graph_bs)
+            fb.input_ids_source = None
+            return
+        model_runner.take_inputs(fb)
         bs = fb.copy_indices(self.table, PAD_FIELDS)
         if graph_bs > bs:
             self.table[:, bs:graph_bs].copy_(self.pad[:, bs:graph_bs])
@@ -175,10 +185,11 @@ class CudaGraphRunner:
         `fb.logits_read_at_once`: the graph's output buffer in the model's dtype, valid until
         the next replay)."""
         if not fb.forward_mode.is_decode:
+            self.model_runner.take_inputs(fb)
             return self.prefill.replay(fb)
         bs = fb.batch_size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        self.inputs.fill(fb, graph_bs)
+        self.inputs.fill(fb, graph_bs, self.model_runner)
         padded_lens = list(fb.seq_lens_cpu) + [1] * (graph_bs - bs)
         self.backend.init_forward_metadata_replay(self._static_batch(graph_bs, padded_lens))
         self.graphs[graph_bs].replay()

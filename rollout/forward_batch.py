@@ -84,6 +84,10 @@ class ForwardBatch:
     # [batch]: each request's last token, the rows `logits_indices` returns (None: computed there)
     logits_rows: Optional[torch.Tensor] = None
     host_indices: Optional[HostIndices] = None
+    # overlap scheduling: the device tokens the previous step is still sampling, one per row in
+    # this batch's order — its input ids, which `input_ids` does not hold yet. The runner takes
+    # them in (`resolve_input_ids`, or a decode graph's input kernel reading them directly)
+    input_ids_source: Optional[torch.Tensor] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,6 +129,12 @@ class ForwardBatch:
         for row, name in zip(dst, names):
             row[:n].copy_(getattr(self, name), non_blocking=True)
         return n
+
+    def resolve_input_ids(self) -> None:
+        """Copy `input_ids_source` into `input_ids` (on the stream, no host sync)."""
+        if self.input_ids_source is not None:
+            self.input_ids.copy_(self.input_ids_source, non_blocking=True)
+            self.input_ids_source = None
 
     def logits_indices(self) -> Optional[torch.Tensor]:
         """Rows of the hidden states whose logits are needed (None: all of them)."""

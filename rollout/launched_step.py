@@ -1,12 +1,14 @@
-"""LaunchedStep: a batch whose forward and sampling are queued on the device, with the copy of
-its sampled tokens to the host already queued behind them.
+"""LaunchedStep: a batch whose forward and sampling are queued on the device, its sampled tokens
+on their way to pinned host memory.
 
-The copy goes to pinned memory without blocking, and an event marks its end, so the scheduler
-can queue the next step (whose input ids are these tokens, still on the device) before it
-waits: with overlap scheduling the host's work for step N+1 runs while the GPU runs step N."""
+The fused GPU sampler writes them there itself (`triton_sampler`, `pack_on_host`); other paths
+queue a copy to pinned memory without blocking. An event marks the end, so the scheduler can
+queue the next step (whose input ids are these tokens, still on the device) before it waits:
+with overlap scheduling the host's work for step N+1 runs while the GPU runs step N."""
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,11 +47,18 @@ class LaunchedStep:
         pack = out.host_pack
         if pack is None:
             pack = torch.stack((out.tokens.double(), out.logprobs.double()))
-        self._host = _to_host(pack)
+        written_by_kernel = pack.device.type == "cpu"  # the fused sampler's pinned pack
+        self._host = pack if written_by_kernel else _to_host(pack)
         if out.top_logprob_ids is not None:
             self._tops = (_to_host(out.top_logprob_ids), _to_host(out.top_logprob_values))
         self._ready = torch.cuda.Event()
         self._ready.record()
+        self._guard = None
+        if written_by_kernel:
+            # a kernel, not a copy, writes it: the pinned-memory cache does not know, so the
+            # buffer must not go back to it (and to its next user) before the stream has passed
+            # that kernel, even if this step is dropped unread
+            self._guard = weakref.finalize(self, _release_after, self._ready, pack)
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:
@@ -61,11 +70,18 @@ class LaunchedStep:
         if self._cpu is not None:
             return self._cpu
         self._ready.synchronize()
+        if self._guard is not None:
+            self._guard.detach()
         tokens, logprobs = self._host.tolist()
         out = HostSample([int(t) for t in tokens], logprobs)
         if self._tops is not None:
             out.top_ids, out.top_values = self._tops[0].tolist(), self._tops[1].tolist()
         return out
+
+
+def _release_after(ready: torch.cuda.Event, buffer: torch.Tensor) -> None:
+    """Holds `buffer` until the stream has passed `ready`."""
+    ready.synchronize()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -127,10 +127,15 @@ class ModelRunner:
                 ONE_ROW_BLAS.leave()
         fb.req_to_token_pool, fb.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
-        self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.replay(fb)
+            return self.graph_runner.replay(fb)  # takes in the input ids, writes req_to_token
+        self.take_inputs(fb)
         return self.forward_eager(fb)
+
+    def take_inputs(self, fb: ForwardBatch) -> None:
+        """The step's pending input ids into `fb.input_ids`, its new KV slots into req_to_token."""
+        fb.resolve_input_ids()
+        self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
 
     def release_cpu_threads(self) -> None:
         """Called before the engine hands control back to its caller: torch gets its CPU

@@ -21,6 +21,9 @@ from rollout.sampling_info import SamplingBatchInfo
 # CUDA, no filter and no top-logprobs: two Triton kernels (`triton_sampler`) instead of ~20
 # torch ops. ROLLOUT_FUSED_SAMPLER=0: the torch path everywhere.
 FUSED_GPU_SAMPLER = os.environ.get("ROLLOUT_FUSED_SAMPLER", "1") != "0"
+# ... which write the tokens and logprobs straight into pinned host memory (no copy to the host
+# after them); ROLLOUT_SAMPLER_PACK_ON_HOST=0: a device pack and a copy
+PACK_ON_HOST = os.environ.get("ROLLOUT_SAMPLER_PACK_ON_HOST", "1") != "0"
 
 
 @dataclass
@@ -29,7 +32,8 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float32
     top_logprob_values: Optional[torch.Tensor] = None  # [B, k]
     top_logprob_ids: Optional[torch.Tensor] = None  # [B, k]
-    # [2, B] float64 (tokens, logprobs) when the sampler wrote them ready for one host copy
+    # [2, B] float64 (tokens, logprobs) when the sampler wrote them ready for the host: in
+    # pinned host memory (the fused GPU sampler: no copy left to make), or on the device (one copy)
     host_pack: Optional[torch.Tensor] = None
 
 
@@ -64,7 +68,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
             and logits.stride(-1) == 1):
         from rollout import triton_sampler  # lazily: triton only where CUDA runs
         tokens, logprobs, pack = triton_sampler.sample_unfiltered(
-            logits, info.temperatures, info.greedy, info.uniforms)
+            logits, info.temperatures, info.greedy, info.uniforms, pack_on_host=PACK_ON_HOST)
         return SampleOutput(tokens, logprobs, host_pack=pack)
     logits = logits.float()  # a no-op on float32
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from rollout.host_to_device import to_device
 from rollout.random_stream import seed_hash, uniform_from
 from rollout.sampling_params import SamplingParams
 
@@ -53,7 +54,7 @@ class SamplingBatchInfo:
         if device.type == "cpu":  # the host views are the tensors (one from_numpy each, no slicing)
             tensors = {name: torch.from_numpy(view) for name, view in fields.items()}
         else:
-            tensors = _packed_views(_to_device(torch.from_numpy(host), device), b)
+            tensors = _packed_views(to_device(torch.from_numpy(host), device), b)
         return cls(
             **tensors,
             all_greedy=all(p.is_greedy for p in distinct),
@@ -100,10 +101,3 @@ def _columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, lis
                 top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
                 greedy=[p.is_greedy for p in params])
 
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: pinned and non-blocking for a GPU (a plain copy would wait for
-    the GPU to drain, which undoes overlap scheduling)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -256,9 +256,11 @@ def _top(sample: HostSample, i: int, req: Request) -> Optional[list[tuple[int, f
 
 def _take_pending_inputs(fb: ForwardBatch, reqs: Sequence[Request], prev: LaunchedStep) -> None:
     """Input ids of the requests whose last token prev is still sampling: copied on the device.
-    In the steady state (the same requests in the same order, all pending) that is one copy."""
+    In the steady state (the same requests in the same order, all pending) they are prev's
+    tokens as they are: the runner takes them in (`ForwardBatch.input_ids_source`), a decode
+    graph's input kernel with the rest of its inputs."""
     if len(reqs) == len(prev.reqs) and all(a is b and a.pending for a, b in zip(reqs, prev.reqs)):
-        fb.input_ids.copy_(prev.tokens)
+        fb.input_ids_source = prev.tokens
         return
     pairs = [(i, prev.row_of[r.rid]) for i, r in enumerate(reqs) if r.pending]
     if not pairs:

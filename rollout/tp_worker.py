@@ -48,6 +48,9 @@ class BatchMessage:
 
     @classmethod
     def from_batch(cls, fb: ForwardBatch) -> "BatchMessage":
+        if fb.input_ids_source is not None:  # overlap scheduling, which TP does not run
+            raise ValueError("a batch whose input ids are still on the device (overlap "
+                             "scheduling) cannot be sent to TP followers")
         if fb.host_indices is not None:  # the builder's host copy: no device→host copy
             h = fb.host_indices
             return cls(fb.forward_mode, fb.batch_size, list(fb.seq_lens_cpu),

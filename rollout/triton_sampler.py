@@ -166,12 +166,17 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
 
 
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
-                      uniforms: torch.Tensor, launch: SamplerLaunch | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      uniforms: torch.Tensor, launch: SamplerLaunch | None = None,
+                      pack_on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] float32, bf16 or fp16 (rows contiguous; read as exactly those values in
     float32), temperatures [B] float32 (1.0 on greedy rows),
     greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
-    stacked as [2, B] float64 for the copy to the host). `launch`: `launch_for(B)` if None."""
+    stacked as [2, B] float64 for the host). `launch`: `launch_for(B)` if None.
+
+    `pack_on_host` (CUDA): `_pick` writes the [2, B] pack straight into pinned host memory,
+    which the GPU reaches through unified addressing — no copy to the host after it (a copy
+    engine's launch behind a kernel cost a batch-1 step ~6 µs). Its values are there once the
+    stream has passed `_pick`: the caller reads them after an event recorded behind it."""
     rows, vocab = logits.shape
     launch = launch or launch_for(rows)
     chunks = triton.cdiv(vocab, CHUNK)
@@ -182,7 +187,8 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     csum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
-    packed = torch.empty(2, rows, dtype=torch.float64, device=dev)
+    packed = torch.empty(2, rows, dtype=torch.float64,
+                         **({"pin_memory": True} if pack_on_host and dev.type == "cuda" else {"device": dev}))
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
         logits, stride, temperatures, cmax, cidx, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,

@@ -402,26 +402,40 @@ def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
     assert g_tokens == e_tokens and (g_logits - e_logits).abs().max().item() <= 1e-5
 
 
-def test_graph_inputs_fill_packed_and_per_field():
-    """A decode batch's index fields are rows of one tensor: the static table takes them in one
-    copy; separate tensors (a hand-made batch) go field by field; both pad rows bs..graph_bs."""
+@pytest.mark.parametrize("pending", [False, True])
+def test_graph_inputs_fill_packed_and_per_field(pending):
+    """A decode batch's index fields are rows of one tensor: the static table takes them with
+    the step's req_to_token write in one kernel; separate tensors (a hand-made batch) go field by
+    field, then the pool's write; both pad rows bs..graph_bs and take pending input ids (overlap
+    scheduling: the previous step's device tokens) in."""
     from rollout.batch_builder import build_decode_batch
     from rollout.cuda_graph_runner import PAD_FIELDS, PAD_VALUES, GraphInputs
     from rollout.kv_allocator import KVAllocator
+    from rollout.memory import ReqToTokenPool
+    from rollout.model_runner import ModelRunner
     alloc = KVAllocator(8, 256, 64)
     rows = [alloc.alloc_row() for _ in range(3)]
     fb = build_decode_batch(rows, [11, 12, 13], [4, 9, 2], alloc, torch.device("cpu"))
     want = torch.stack([getattr(fb, name) for name in PAD_VALUES])
     assert torch.equal(fb.stacked(PAD_FIELDS), want)
+    if pending:
+        want[0] = torch.tensor([21, 22, 23])
     pads = torch.tensor(list(PAD_VALUES.values())).view(-1, 1).expand(-1, 5)
     for batch in (fb, dataclasses.replace(fb, positions=fb.positions.clone())):
         assert (batch.stacked(PAD_FIELDS) is None) == (batch is not fb)
+        batch.input_ids_source = torch.tensor([21, 22, 23]) if pending else None
+        runner = SimpleNamespace(req_to_token_pool=ReqToTokenPool(8, 256, "cpu"))
+        runner.take_inputs = ModelRunner.take_inputs.__get__(runner)
         inputs = GraphInputs.allocate(8, torch.device("cpu"))
         inputs.table.fill_(-1)
-        inputs.fill(batch, 8)
+        inputs.fill(batch, 8, runner)
         assert torch.equal(inputs.table[:, :3], want)
         assert torch.equal(inputs.table[:, 3:], pads)
         assert torch.equal(inputs.seq_lens[:3], fb.seq_lens)  # the named rows view the table
+        table = runner.req_to_token_pool.req_to_token
+        assert table[fb.token_req_pool_indices, fb.positions].tolist() == fb.out_cache_loc.tolist()
+        assert int((table != 0).sum()) == 3  # nothing else written
+        assert batch.input_ids_source is None  # taken in
 
 
 def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):

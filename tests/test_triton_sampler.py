@@ -178,6 +178,26 @@ def test_launch_from_the_environment(monkeypatch):
 
 
 @gpu
+def test_fused_sampler_writes_the_pack_into_pinned_host_memory():
+    """pack_on_host: `_pick` writes the [2, B] pack into pinned host memory itself, exactly the
+    device tokens and logprobs, readable once the stream has passed it; and the engine's steps
+    read their tokens from it (LaunchedStep copies nothing)."""
+    from rollout.launched_step import LaunchedStep
+    from rollout.sampler import SampleOutput
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(len(PARAMS), VOCAB, generator=gen) * 3.0).to(DEV)
+    info = _info(PARAMS, list(range(len(PARAMS))), [3] * len(PARAMS), DEV)
+    tokens, logprobs, pack = triton_sampler.sample_unfiltered(
+        logits, info.temperatures, info.greedy, info.uniforms, pack_on_host=True)
+    assert pack.device.type == "cpu" and pack.is_pinned()
+    step = LaunchedStep([], SampleOutput(tokens, logprobs, host_pack=pack))
+    got = step.wait()
+    assert got.tokens == tokens.tolist()
+    assert got.logprobs == logprobs.double().tolist()
+    assert torch.equal(pack, torch.stack((tokens.double(), logprobs.double())).cpu())
+
+
+@gpu
 @launches
 def test_fused_sampler_frequencies_match_softmax(launch):
     vocab, draws = 3000, 60_000

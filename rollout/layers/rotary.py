@@ -50,12 +50,16 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin) of shape [T, 1, head_dim / 2] for the step's positions: views of one gather
         from a [P, 2, head_dim / 2] table in `dtype` (made on first use per dtype, values
         rounded once as a cast after the lookup would), one kernel a step instead of four."""
+        return split_cos_sin(self.half_table(dtype).index_select(0, positions))
+
+    def half_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[P, 2, head_dim / 2] in `dtype`: cos and sin of every position (what `lookup`
+        gathers from; a fused kernel gathers from it too, `triton_embed`)."""
         table = self._half.get(dtype)
         if table is None or table.device != self.cos_cache.device:
             table = torch.stack((self.cos_cache, self.sin_cache), 1).to(dtype)
             self._half[dtype] = table
-        both = table.index_select(0, positions)
-        return both[:, 0:1], both[:, 1:2]
+        return table
 
     def lookup_full(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """([cos, cos], [-sin, sin]) of shape [T, 1, head_dim] in `dtype`, for `apply_rotary_full_`.
@@ -68,6 +72,11 @@ class RotaryEmbedding(nn.Module):
             self._full[dtype] = tables
         return (tables[0].index_select(0, positions).unsqueeze(1),
                 tables[1].index_select(0, positions).unsqueeze(1))
+
+
+def split_cos_sin(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 2, head_dim / 2] rows of the half table → (cos, sin) views of shape [T, 1, head_dim / 2]."""
+    return both[:, 0:1], both[:, 1:2]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -231,17 +231,29 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
-        # once per step, shared by every layer: half tables for the CUDA kernel, full on CPU
-        if h.is_cuda:
-            rope = self.rotary.lookup(positions, h.dtype)
+        residual = None
+        # the rotary rows once per step, shared by every layer: half tables for the CUDA
+        # kernels, full on CPU
+        if input_ids.is_cuda:
+            h, rope = self._embed_and_rope_cuda(input_ids, positions)
             for layer in self.layers:
                 h, residual = layer(rope, h, residual, fb)
         else:
+            h = self.embed_tokens(input_ids)
             rope = self.rotary.lookup_full(positions, h.dtype)
             for layer in self.layers:
                 h, residual = layer.forward_cpu(rope, h, residual, fb)
         return self.norm(h, residual)[0]
+
+    def _embed_and_rope_cuda(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """(embeddings, (cos, sin)): one Triton kernel unsharded (`triton_embed`), else the
+        vocab-parallel embedding and the table's gather."""
+        weight = self.embed_tokens.weight
+        from rollout.layers import triton_embed
+        if self.embed_tokens.tp.size == 1 and triton_embed.FUSED_EMBED_ROPE:
+            return triton_embed.embed_and_rope(input_ids, positions, weight,
+                                               self.rotary.half_table(weight.dtype))
+        return self.embed_tokens(input_ids), self.rotary.lookup(positions, weight.dtype)
 
 
 class LlamaForCausalLM(nn.Module):

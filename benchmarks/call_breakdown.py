@@ -1,0 +1,78 @@
+"""Where a generate call's wall time goes, unprofiled: the decode benchmark's call (prompt 128,
+sampling at T=1) timed at several numbers of new tokens, engine alone, JSON out.
+
+A call of n new tokens is one prefill (with the first token) and n - 1 decode steps, so
+  fixed = t(1)                    the host's lead, the prefill, the first token, the tail
+  step  = (t(N) - t(2)) / (N - 2) what one decode step costs the call (a slope: no fixed costs)
+and next to `step`, the decode graph's replay time alone (back-to-back replays): their
+difference is what each step spends outside the graph (sampler, copies, the req_to_token
+write, the graph's launch, a host that falls behind). The profiler (step_timeline.py) slows
+the host, which is what this leaves out.
+
+  python benchmarks/call_breakdown.py --batch-sizes 1 128 --out $OUT/breakdown.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.cuda_timing import replay_seconds
+from benchmarks.decode_throughput import gpu_engine, prompts_for
+from rollout import SamplingParams
+
+
+def call_seconds(engine, prompts, new_tokens: int, repeats: int) -> list[float]:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    engine.generate(prompts, sp)  # warm-up at this length
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: int) -> dict:
+    prompts = prompts_for(batch, prompt_len, engine.model_config.vocab_size)
+    ms = {n: [t * 1e3 for t in call_seconds(engine, prompts, n, repeats)] for n in lengths}
+    med = {n: statistics.median(v) for n, v in ms.items()}
+    longest = max(lengths)
+    step = (med[longest] - med[2]) / (longest - 2)
+    gr = engine.runner.graph_runner
+    graph_bs = min(s for s in gr.batch_sizes if s >= batch)
+    replay = replay_seconds(gr.graphs[graph_bs], 100) * 1e3
+    return {"calls_ms": {str(n): [round(v, 3) for v in ms[n]] for n in lengths},
+            "median_ms": {str(n): round(v, 3) for n, v in med.items()},
+            "fixed_ms": round(med[1], 3), "step_ms": round(step, 4),
+            "graph_replay_ms": round(replay, 4), "outside_graph_us_per_step": round((step - replay) * 1e3, 2),
+            f"tok_per_s_{longest}": round(batch * longest / med[longest] * 1e3, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2-1.5b")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 128])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="breakdown.json")
+    args = p.parse_args()
+    if 1 not in args.lengths or 2 not in args.lengths or max(args.lengths) < 3:
+        p.error("--lengths must hold 1, 2 and a length above 2")
+    engine = gpu_engine(args.shape, max(args.batch_sizes))
+    result = {}
+    for bs in args.batch_sizes:
+        result[str(bs)] = breakdown(engine, bs, args.prompt_len, sorted(args.lengths), args.repeats)
+        print(f"bs={bs}: {json.dumps(result[str(bs)])}", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

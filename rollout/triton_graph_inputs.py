@@ -1,0 +1,67 @@
+"""A decode graph's inputs in one launch: the static index table filled from the step's packed
+indices (padded rows past the batch), the input ids taken from the tokens the previous step
+sampled on the device, and the step's new KV slots recorded in req_to_token.
+
+Before this kernel those were three stream ops a step ahead of the graph — the input-id copy,
+the req_to_token write kernel and the table copy — each with its launch gap (≈1–1.5 µs on an
+H200) on the critical path of a batch-1 step. ROLLOUT_GRAPH_INPUT_KERNEL=0: the three ops."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.triton_pdl import launch_options, pdl_wait
+
+FUSED_GRAPH_INPUTS = os.environ.get("ROLLOUT_GRAPH_INPUT_KERNEL", "1") != "0"
+
+BLOCK = 256  # rows a program: one program for any captured batch up to 256
+# the table's rows (cuda_graph_runner.PAD_FIELDS): these three name where a token's KV goes
+INPUT_IDS, POSITIONS, OUT_CACHE_LOC, TOKEN_REQ_ROWS = 0, 1, 2, 3
+
+
+@triton.jit
+def _fill_kernel(Src, stride_src, Table, stride_table, Pad, stride_pad, Tokens, ReqToToken,
+                 stride_r2t, bs, graph_bs, NUM_FIELDS: tl.constexpr, HAS_TOKENS: tl.constexpr,
+                 BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # the previous step's graph reads the table and req_to_token, its sampler writes Tokens
+    pdl_wait(USE_PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    real = offs < bs
+    padded = (offs >= bs) & (offs < graph_bs)
+    for f in tl.static_range(NUM_FIELDS):
+        if f == 0 and HAS_TOKENS:
+            v = tl.load(Tokens + offs, mask=real, other=0)
+        else:
+            v = tl.load(Src + f * stride_src + offs, mask=real, other=0)
+        v = tl.where(real, v, tl.load(Pad + f * stride_pad + offs, mask=padded, other=0))
+        tl.store(Table + f * stride_table + offs, v, mask=real | padded)
+    row = tl.load(Src + 3 * stride_src + offs, mask=real, other=0)
+    pos = tl.load(Src + 1 * stride_src + offs, mask=real, other=0)
+    slot = tl.load(Src + 2 * stride_src + offs, mask=real, other=0)
+    tl.store(ReqToToken + row * stride_r2t + pos, slot.to(tl.int32), mask=real)
+
+
+def fill_decode_inputs(src: torch.Tensor, table: torch.Tensor, pad: torch.Tensor,
+                       tokens: Optional[torch.Tensor], req_to_token: torch.Tensor,
+                       graph_bs: int) -> None:
+    """src: [F, bs] int64, the step's index rows in the table's order (input ids, positions,
+    KV slots, token rows, ...; unit stride along a row); table, pad: [F, max_bs] int64 (the
+    graph's static rows, their idle values). table[:, :bs] = src (row 0 from `tokens` when
+    given), table[:, bs:graph_bs] = pad, req_to_token[src[3], src[1]] = int32(src[2])."""
+    fields, bs = src.shape
+    if table.shape[0] != fields or pad.shape != table.shape or not bs <= graph_bs <= table.shape[1]:
+        raise ValueError(f"src {tuple(src.shape)}, table {tuple(table.shape)}, pad "
+                         f"{tuple(pad.shape)}, graph_bs {graph_bs} do not fit")
+    if src.stride(1) != 1 or table.stride(1) != 1 or pad.stride(1) != 1:
+        raise ValueError("src, table and pad rows must have unit stride")
+    if tokens is not None and (tokens.shape != (bs,) or tokens.stride(0) != 1):
+        raise ValueError(f"tokens {tuple(tokens.shape)} is not one contiguous id per row ({bs})")
+    _fill_kernel[(triton.cdiv(graph_bs, BLOCK),)](
+        src, src.stride(0), table, table.stride(0), pad, pad.stride(0),
+        tokens if tokens is not None else src, req_to_token, req_to_token.stride(0), bs, graph_bs,
+        NUM_FIELDS=fields, HAS_TOKENS=tokens is not None, BLOCK=BLOCK, num_warps=4,
+        **launch_options())
