@@ -59,6 +59,7 @@ class LaunchedStep:
             # buffer must not go back to it (and to its next user) before the stream has passed
             # that kernel, even if this step is dropped unread
             self._guard = weakref.finalize(self, _release_after, self._ready, pack)
+            self._guard.atexit = False  # at exit nothing reuses the buffer
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:
