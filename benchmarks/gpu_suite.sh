@@ -387,6 +387,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 128} --repeats 2 --timeout-s 100 --out "$OUT/ab19a.json" ;;
     ab19b) run ab19b 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_nineteenth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 100 --out "$OUT/ab19b.json" ;;
+    ab19c) run ab19c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_nineteenth_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 100 --out "$OUT/ab19c.json" ;;
     parity19) mkdir -p /tmp/base19 && tar -xf base19.tar -C /tmp/base19
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \

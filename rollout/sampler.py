@@ -24,6 +24,8 @@ FUSED_GPU_SAMPLER = os.environ.get("ROLLOUT_FUSED_SAMPLER", "1") != "0"
 # ... which write the tokens and logprobs straight into pinned host memory (no copy to the host
 # after them); ROLLOUT_SAMPLER_PACK_ON_HOST=0: a device pack and a copy
 PACK_ON_HOST = os.environ.get("ROLLOUT_SAMPLER_PACK_ON_HOST", "1") != "0"
+# ... and skip the division by T when every row's is 1 (ROLLOUT_SAMPLER_UNIT_T=0: divide anyway)
+UNIT_T_SHORTCUT = os.environ.get("ROLLOUT_SAMPLER_UNIT_T", "1") != "0"
 
 
 @dataclass
@@ -68,7 +70,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
             and logits.stride(-1) == 1):
         from rollout import triton_sampler  # lazily: triton only where CUDA runs
         tokens, logprobs, pack = triton_sampler.sample_unfiltered(
-            logits, info.temperatures, info.greedy, info.uniforms, pack_on_host=PACK_ON_HOST)
+            logits, info.temperatures, info.greedy, info.uniforms, pack_on_host=PACK_ON_HOST,
+            unit_temperature=info.all_temperature_one and UNIT_T_SHORTCUT)
         return SampleOutput(tokens, logprobs, host_pack=pack)
     logits = logits.float()  # a no-op on float32
     scaled = logits if info.all_temperature_one else logits / info.temperatures.view(-1, 1)

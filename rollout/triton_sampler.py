@@ -84,10 +84,14 @@ ENV_LAUNCH = launch_from_env()
 
 
 @triton.jit
-def _scaled_logits(Logits, stride_row, row, offs, V, t):
-    """logits / T of `row` at `offs` in float32; -inf past the vocabulary."""
+def _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T: tl.constexpr):
+    """logits / T of `row` at `offs` in float32; -inf past the vocabulary. UNIT_T: every row's
+    T is 1, and x / 1 is x: no division (an IEEE fp32 division is a dozen instructions an
+    element, and at batch 128 the statistics kernel is bound by its instructions)."""
     x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
                 other=float("-inf")).to(tl.float32)
+    if UNIT_T:
+        return x
     return x / t
 
 
@@ -101,7 +105,7 @@ def _terms(x, m_c):
 
 @triton.jit
 def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.constexpr,
-                 GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+                 GROUP: tl.constexpr, UNIT_T: tl.constexpr, USE_PDL: tl.constexpr):
     """Chunks GROUP·pid .. GROUP·pid + GROUP - 1 of a row, loaded as one [GROUP, CHUNK] tile: a
     program streams GROUP·CHUNK logits (at batch 128, 75 programs a row of 4 KB each would be
     more program than load)."""
@@ -109,7 +113,7 @@ def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.co
     row = tl.program_id(0)
     cs = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     offs = cs[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row))
+    x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row), UNIT_T)
     m_c = tl.max(x, axis=1)
     c_mask = cs < C
     tl.store(CMax + row * C + cs, m_c, mask=c_mask)
@@ -120,7 +124,7 @@ def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.co
 
 @triton.jit
 def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B, V, C,
-          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+          CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, UNIT_T: tl.constexpr,
           USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0)
@@ -146,7 +150,7 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     chosen = cs == chunk
     before = tl.sum(tl.where(chosen, prefix - mass, 0.0), axis=0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = _scaled_logits(Logits, stride_row, row, offs, V, t)
+    x = _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T)
     p = _terms(x, tl.max(tl.where(chosen, cmax, float("-inf")), axis=0))
     # the chunk's prefix sums brought to the row's frame as its mass was
     cdf = before + tl.sum(tl.where(chosen, scale, 0.0), axis=0) * tl.cumsum(p.to(tl.float64), axis=0)
@@ -167,7 +171,8 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
 
 def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
                       uniforms: torch.Tensor, launch: SamplerLaunch | None = None,
-                      pack_on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      pack_on_host: bool = False, unit_temperature: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] float32, bf16 or fp16 (rows contiguous; read as exactly those values in
     float32), temperatures [B] float32 (1.0 on greedy rows),
     greedy [B] bool, uniforms [B] float64 → (tokens [B] int64, logprobs [B] float32, the two
@@ -176,7 +181,9 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     `pack_on_host` (CUDA): `_pick` writes the [2, B] pack straight into pinned host memory,
     which the GPU reaches through unified addressing — no copy to the host after it (a copy
     engine's launch behind a kernel cost a batch-1 step ~6 µs). Its values are there once the
-    stream has passed `_pick`: the caller reads them after an event recorded behind it."""
+    stream has passed `_pick`: the caller reads them after an event recorded behind it.
+    `unit_temperature`: the caller knows every row's T is 1 (the batch's host-side flag), so
+    the kernels skip the division (the same values)."""
     rows, vocab = logits.shape
     launch = launch or launch_for(rows)
     chunks = triton.cdiv(vocab, CHUNK)
@@ -192,10 +199,10 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
         logits, stride, temperatures, cmax, cidx, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
-        num_warps=launch.stats_warps, **launch_options())
+        UNIT_T=unit_temperature, num_warps=launch.stats_warps, **launch_options())
     _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens,
                    logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c,
-                   num_warps=launch.pick_warps, **launch_options())
+                   UNIT_T=unit_temperature, num_warps=launch.pick_warps, **launch_options())
     return tokens, logprobs, packed
 
 

@@ -72,6 +72,23 @@ def test_fused_sampler_draws_what_the_torch_sampler_draws(launch):
     _assert_draws_as_torch(logits, params, seeds, positions, launch)
 
 
+def test_unit_temperature_shortcut_changes_nothing():
+    """Every row at T = 1 (greedy rows too: their T is 1): skipping the division draws the same
+    tokens with the same logprobs bit for bit, and the sampler takes the shortcut from the
+    batch's flag."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(8, VOCAB, generator=gen) * 3.0).to(DEV)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)] * 4
+    info = _info(params, list(range(8)), [5] * 8, DEV)
+    assert info.all_temperature_one
+    plain, short = (triton_sampler.sample_unfiltered(logits, info.temperatures, info.greedy,
+                                                     info.uniforms, unit_temperature=unit)
+                    for unit in (False, True))
+    for a, b in zip(plain, short):
+        assert torch.equal(a, b)
+    assert torch.equal(sample(logits, info).tokens, plain[0])
+
+
 FIRST, MIDDLE, LAST = (slice(i * triton_sampler.CHUNK, (i + 1) * triton_sampler.CHUNK) for i in range(3))
 
 
