@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.call_breakdown import call_seconds
 from benchmarks.cuda_timing import replay_seconds
 from benchmarks.decode_throughput import SHAPES, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
@@ -65,14 +66,7 @@ PREFILL_ONLY = SamplingParams(max_new_tokens=1, ignore_eos=True, seed=1, tempera
 
 def prefill_ms(engine: Engine, prompts, n: int = 3) -> float:
     """Median of n `PREFILL_ONLY` calls: what a generate call spends before its first decode step."""
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, PREFILL_ONLY)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2] * 1e3
+    return sorted(call_seconds(engine, prompts, PREFILL_ONLY.max_new_tokens, n))[n // 2] * 1e3
 
 
 def cpu_sections(engine: Engine, prompts, sp: SamplingParams, repeats: int = 5) -> list[str]:
