@@ -19,8 +19,6 @@ from rollout.triton_pdl import launch_options, pdl_wait
 FUSED_GRAPH_INPUTS = os.environ.get("ROLLOUT_GRAPH_INPUT_KERNEL", "1") != "0"
 
 BLOCK = 256  # rows a program: one program for any captured batch up to 256
-# the table's rows (cuda_graph_runner.PAD_FIELDS): these three name where a token's KV goes
-INPUT_IDS, POSITIONS, OUT_CACHE_LOC, TOKEN_REQ_ROWS = 0, 1, 2, 3
 
 
 @triton.jit
@@ -39,6 +37,8 @@ def _fill_kernel(Src, stride_src, Table, stride_table, Pad, stride_pad, Tokens, 
             v = tl.load(Src + f * stride_src + offs, mask=real, other=0)
         v = tl.where(real, v, tl.load(Pad + f * stride_pad + offs, mask=padded, other=0))
         tl.store(Table + f * stride_table + offs, v, mask=real | padded)
+    # the table's rows are cuda_graph_runner.PAD_FIELDS: 0 input ids, 1 positions, 2 KV slots,
+    # 3 token rows (the last three say where each token's KV goes)
     row = tl.load(Src + 3 * stride_src + offs, mask=real, other=0)
     pos = tl.load(Src + 1 * stride_src + offs, mask=real, other=0)
     slot = tl.load(Src + 2 * stride_src + offs, mask=real, other=0)
