@@ -393,6 +393,8 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 120 --out "$OUT/ab20a.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

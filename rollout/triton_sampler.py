@@ -4,18 +4,23 @@ top-logprobs (RL rollouts at a temperature; greedy rows too).
 The torch path (`sampler.sample`) is ~20 small kernels a step: softmax, a padded copy, float64
 block sums, cumsums, searchsorteds, gathers, an argmax, where... (≈0.43 ms a step at batch 128 ×
 152k vocabulary on an H200, ≈0.1 ms at batch 1, plus a host launch each). Here, x = logits / T:
-  1. `_chunk_stats`: per chunk c of CHUNK tokens of each row, its max m_c, the first index of
-     it, and the fp32 sum s_c of exp(x - m_c). Each chunk's sum is taken in its own max frame,
-     so the row's max is not needed first and the logits are read once (reading them is this
-     kernel's whole cost: 39 MB at batch 128 in bf16).
-  2. `_pick`: per row, m = max m_c (the argmax: the first index of the first chunk holding
-     it); in float64, w_c = s_c · exp(m_c - m) and total = Σ w_c; the prefix sums of w pick the
-     chunk where u · total falls, then in that chunk the same fp32 terms exp(x - m_c), their
-     float64 prefix sums times exp(m_c - m) added to the mass before it, pick the first token
-     whose sum exceeds u · total (and whose term is not 0); greedy rows take the argmax, and so
-     does u · total rounded up to total. logprob = x_token - m - log(total). Every load but the
-     chosen chunk's is issued at once: two latencies of memory a row (seven, one after
-     another, before the sixteenth session).
+  1. `_chunk_stats`: per chunk c of CHUNK tokens of each row, its max m_c and the fp32 sum s_c
+     of exp(x - m_c). Each chunk's sum is taken in its own max frame, so the row's max is not
+     needed first and the logits are read once (39 MB at batch 128 in bf16).
+  2. `_pick`: per row, m = max m_c; in float64, w_c = s_c · exp(m_c - m) and total = Σ w_c;
+     the prefix sums of w pick the chunk where u · total falls, then in that chunk the same
+     fp32 terms exp(x - m_c), their float64 prefix sums times exp(m_c - m) added to the mass
+     before it, pick the first token whose sum exceeds u · total (and whose term is not 0);
+     greedy rows take the argmax (the first index of m in the first chunk holding it, loaded
+     beside the chosen chunk), and so does u · total rounded up to total. logprob = x_token - m
+     - log(total). Every load but those two chunks' is issued at once: two latencies of memory
+     a row (seven, one after another, before the sixteenth session).
+At batch 128 the statistics kernel is bound by its instructions (19.4 M logits a step), so it
+does the least per logit: the max and the sum only (the argmax index is `_pick`'s, from one
+chunk), and compiled, exp is `ex2.approx.ftz` (`_exp`: the same bits as tl.exp's `ex2.approx`
+but for results below 2^-126, which flush to 0). Twentieth session, compiled for sm_90 by
+Triton 3.6 at the batch-128 launch: 17.5 → 10.4 SASS instructions a logit (13.4 without the
+index alone).
 The same distribution as the torch path — inverse CDF in vocabulary order at the row's uniform
 from (seed, position), sums in float64 — up to the order of the additions and expf's last bit,
 so a draw can differ where u · total lies within rounding of a token boundary (and a token
@@ -37,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.triton_ops import _is_compiled
 from rollout.triton_pdl import launch_options, pdl_wait
 
 CHUNK = 2048  # tokens a chunk: the statistics' grain, and what `_pick` scans of a row
@@ -96,16 +102,30 @@ def _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T: tl.constexpr):
 
 
 @triton.jit
-def _terms(x, m_c):
-    """exp(x - m_c) in fp32: a chunk's softmax terms in its own max frame, the same values where
-    `_chunk_stats` sums them and where `_pick` scans them. A chunk of -inf logits only has
-    zeros (not exp(-inf - -inf) = NaN)."""
-    return tl.exp(x - tl.where(m_c == float("-inf"), 0.0, m_c))
+def _exp(x, COMPILED: tl.constexpr):
+    """exp(x) in fp32 as tl.exp computes it (ex2.approx of x · log2(e), the same fp32 product),
+    but compiled with `.ftz`: results below 2^-126 are 0, not denormals, which spares the three
+    instructions a value of the denormal path (a chunk's terms below 2^-126 against its max's
+    1 change no fp32 sum; `_pick` never draws such a token unless u · total is below ~1e-38)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                                         [x * 1.4426950408889634], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.exp(x)
 
 
 @triton.jit
-def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.constexpr,
-                 GROUP: tl.constexpr, UNIT_T: tl.constexpr, USE_PDL: tl.constexpr):
+def _terms(x, m_c, COMPILED: tl.constexpr):
+    """exp(x - m_c) in fp32: a chunk's softmax terms in its own max frame, the same values where
+    `_chunk_stats` sums them and where `_pick` scans them. A chunk of -inf logits only has
+    zeros (not exp(-inf - -inf) = NaN)."""
+    return _exp(x - tl.where(m_c == float("-inf"), 0.0, m_c), COMPILED)
+
+
+@triton.jit
+def _chunk_stats(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexpr,
+                 GROUP: tl.constexpr, UNIT_T: tl.constexpr, COMPILED: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Chunks GROUP·pid .. GROUP·pid + GROUP - 1 of a row, loaded as one [GROUP, CHUNK] tile: a
     program streams GROUP·CHUNK logits (at batch 128, 75 programs a row of 4 KB each would be
     more program than load)."""
@@ -117,15 +137,13 @@ def _chunk_stats(Logits, stride_row, Temps, CMax, CIdx, CSum, V, C, CHUNK: tl.co
     m_c = tl.max(x, axis=1)
     c_mask = cs < C
     tl.store(CMax + row * C + cs, m_c, mask=c_mask)
-    tl.store(CIdx + row * C + cs, tl.min(tl.where(x == m_c[:, None], offs, V), axis=1),
-             mask=c_mask)
-    tl.store(CSum + row * C + cs, tl.sum(_terms(x, m_c[:, None]), axis=1), mask=c_mask)
+    tl.store(CSum + row * C + cs, tl.sum(_terms(x, m_c[:, None], COMPILED), axis=1), mask=c_mask)
 
 
 @triton.jit
-def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logprobs, Packed, B, V, C,
+def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CSum, Tokens, Logprobs, Packed, B, V, C,
           CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, UNIT_T: tl.constexpr,
-          USE_PDL: tl.constexpr):
+          COMPILED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     row = tl.program_id(0)
     cs = tl.arange(0, BLOCK_C)
@@ -134,11 +152,11 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     # time at small batches
     t, u, greedy = tl.load(Temps + row), tl.load(U + row), tl.load(Greedy + row)
     cmax = tl.load(CMax + row * C + cs, mask=cs < C, other=float("-inf"))
-    cidx = tl.load(CIdx + row * C + cs, mask=cs < C, other=V)
     csum = tl.load(CSum + row * C + cs, mask=cs < C, other=0.0)
     m = tl.max(cmax, axis=0)
-    # first index of the row's max: the first chunk holding m, then its first index
-    argmax = tl.min(tl.where(cmax == m, cidx, V), axis=0)
+    # the first chunk holding the row's max: its first index of m is the argmax (the load goes
+    # out beside the chosen chunk's, no latency of its own)
+    max_chunk = tl.min(tl.where(cmax == m, cs, BLOCK_C), axis=0)
     # from each chunk's max frame to the row's in float64, where exp(m_c - m) does not underflow
     # for chunks far below the max (a low temperature)
     scale = tl.exp(cmax.to(tl.float64) - m.to(tl.float64))
@@ -151,7 +169,10 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CIdx, CSum, Tokens, Logpro
     before = tl.sum(tl.where(chosen, prefix - mass, 0.0), axis=0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T)
-    p = _terms(x, tl.max(tl.where(chosen, cmax, float("-inf")), axis=0))
+    max_offs = tl.minimum(max_chunk, C - 1) * CHUNK + tl.arange(0, CHUNK)
+    x_max = _scaled_logits(Logits, stride_row, row, max_offs, V, t, UNIT_T)
+    argmax = tl.min(tl.where(x_max == m, max_offs, V), axis=0)
+    p = _terms(x, tl.max(tl.where(chosen, cmax, float("-inf")), axis=0), COMPILED)
     # the chunk's prefix sums brought to the row's frame as its mass was
     cdf = before + tl.sum(tl.where(chosen, scale, 0.0), axis=0) * tl.cumsum(p.to(tl.float64), axis=0)
     hit = tl.min(tl.where((cdf > target) & (p > 0), offs, V), axis=0)
@@ -190,7 +211,6 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     block_c = triton.next_power_of_2(chunks)
     dev = logits.device
     cmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
-    cidx = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     csum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -198,12 +218,16 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
                          **({"pin_memory": True} if pack_on_host and dev.type == "cuda" else {"device": dev}))
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
-        logits, stride, temperatures, cmax, cidx, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
-        UNIT_T=unit_temperature, num_warps=launch.stats_warps, **launch_options())
-    _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, cidx, csum, tokens,
+        logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
+        UNIT_T=unit_temperature, COMPILED=_COMPILED, num_warps=launch.stats_warps,
+        **launch_options())
+    _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, csum, tokens,
                    logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c,
-                   UNIT_T=unit_temperature, num_warps=launch.pick_warps, **launch_options())
+                   UNIT_T=unit_temperature, COMPILED=_COMPILED, num_warps=launch.pick_warps,
+                   **launch_options())
     return tokens, logprobs, packed
 
+
+_COMPILED = _is_compiled(_pick)  # False under TRITON_INTERPRET=1
 
 __all__ = ["sample_unfiltered", "CHUNK", "SamplerLaunch"]
