@@ -395,6 +395,22 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 120 --out "$OUT/ab20a.json" ;;
+    # twentieth session: the sampler alone, the session's start (base20.tar: `git archive 697f9a0`,
+    # carried untracked) and now; its GPU specs; the engine A/B; the samples of both trees
+    sampler20) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
+              run sampler20_base 150 env PYTHONPATH=/tmp/base20:${PYTHONPATH} python3 benchmarks/gpu_sampler.py \
+              --rows 1 128 --out "$OUT/sampler20_base.json"
+              run sampler20_now 150 python3 benchmarks/gpu_sampler.py --rows 1 128 --out "$OUT/sampler20_now.json" ;;
+    smoke20) run smoke20 300 python3 -m pytest -q tests/test_triton_sampler.py -p no:cacheprovider \
+              && run smoke20_gpu 300 python3 -m pytest -q -m gpu tests/test_triton_sampler.py tests/test_sampler.py \
+              tests/test_overlap_schedule.py -p no:cacheprovider ;;
+    ab20b) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
+           run ab20b 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 128} --repeats 2 --timeout-s 100 --out "$OUT/ab20b.json" ;;
+    parity20) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
+              run parity20 220 bash -c 'PYTHONPATH=/tmp/base20:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
+              && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
