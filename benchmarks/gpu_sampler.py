@@ -27,24 +27,28 @@ LAUNCHES = [SamplerLaunch(1, 8, 8), SamplerLaunch(2, 8, 8), SamplerLaunch(4, 8, 
 CALLS_A_GRAPH = 20
 
 
-def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+def inputs(rows: int, unit_temperature: bool = False) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     temps = torch.rand(rows, device="cuda", generator=gen) + 0.5
+    if unit_temperature:  # the decode benchmark's T = 1: the kernels skip the division
+        temps = torch.ones_like(temps)
     greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
     uniforms = torch.rand(rows, device="cuda", generator=gen, dtype=torch.float64)
     return logits, temps, greedy, uniforms
 
 
-def time_launch(args: tuple[torch.Tensor, ...], launch: SamplerLaunch) -> tuple[float, torch.Tensor]:
+def time_launch(args: tuple[torch.Tensor, ...], launch: SamplerLaunch,
+                unit_temperature: bool = False) -> tuple[float, torch.Tensor]:
     """(µs a call, the tokens drawn)."""
-    tokens = triton_sampler.sample_unfiltered(*args, launch=launch)[0]  # compiles
+    kw = {"launch": launch, "unit_temperature": unit_temperature}
+    tokens = triton_sampler.sample_unfiltered(*args, **kw)[0]  # compiles
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for _ in range(CALLS_A_GRAPH):
-            triton_sampler.sample_unfiltered(*args, launch=launch)
+            triton_sampler.sample_unfiltered(*args, **kw)
     torch.cuda.current_stream().wait_stream(stream)
     return replay_seconds(graph, 20) / CALLS_A_GRAPH * 1e6, tokens
 
@@ -52,14 +56,20 @@ def time_launch(args: tuple[torch.Tensor, ...], launch: SamplerLaunch) -> tuple[
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--launches", nargs="*", default=None,
+                   help="CHUNKS,STATS_WARPS,PICK_WARPS each (default: the list above)")
+    p.add_argument("--unit-temperature", action="store_true",
+                   help="every row at T = 1, the kernels told so (the engine's T = 1 shortcut)")
     p.add_argument("--out", default="sampler.json")
     args = p.parse_args()
+    launches = ([SamplerLaunch(*map(int, s.split(","))) for s in args.launches]
+                if args.launches else LAUNCHES)
     result = []
     for rows in args.rows:
-        data = inputs(rows)
+        data = inputs(rows, args.unit_temperature)
         reference = None
-        for launch in LAUNCHES:
-            us, tokens = time_launch(data, launch)
+        for launch in launches:
+            us, tokens = time_launch(data, launch, args.unit_temperature)
             reference = tokens if reference is None else reference
             row = {"rows": rows, "launch": launch._asdict(), "us_a_call": round(us, 2),
                    "same_tokens_as_first": int((tokens == reference).sum()), "of": rows}

@@ -90,15 +90,35 @@ ENV_LAUNCH = launch_from_env()
 
 
 @triton.jit
-def _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T: tl.constexpr):
-    """logits / T of `row` at `offs` in float32; -inf past the vocabulary. UNIT_T: every row's
-    T is 1, and x / 1 is x: no division (an IEEE fp32 division is a dozen instructions an
-    element, and at batch 128 the statistics kernel is bound by its instructions)."""
+def _div(x, t, COMPILED: tl.constexpr):
+    """x / t rounded as IEEE division rounds it (torch's logits / T), for a row's scalar t.
+    Compiled, `x / t` by a scalar becomes x · rcp.approx(t), up to 2 ulp of x off (at T = 0.05
+    and logits near 50 that moved logprobs 1.6e-5 off the torch sampler's: the CPU spec run
+    compiled on an H200, twentieth session), and div.rn is ~15 instructions an element with a
+    slow-path branch; here the correctly rounded 1/t once (r), then one Newton step on the fma
+    residual (Markstein: with q = RN(x·r), fma(fma(-q, t, x), r, q) is RN(x / t) when
+    r = RN(1/t), barring over/underflow; the spec checks it in exact arithmetic), 3
+    instructions an element. ±inf logits stay ±inf (their residual
+    is NaN)."""
+    if COMPILED:
+        r = tl.math.div_rn(1.0, t)
+        q = x * r
+        q = tl.fma(tl.fma(-q, t, x), r, q)
+        return tl.where(tl.abs(x) == float("inf"), x * r, q)
+    return x / t
+
+
+@triton.jit
+def _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T: tl.constexpr,
+                   COMPILED: tl.constexpr):
+    """logits / T of `row` at `offs` in float32 (`_div`); -inf past the vocabulary. UNIT_T:
+    every row's T is 1, and x / 1 is x: no division (at batch 128 the statistics kernel is
+    bound by its instructions)."""
     x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
                 other=float("-inf")).to(tl.float32)
     if UNIT_T:
         return x
-    return x / t
+    return _div(x, t, COMPILED)
 
 
 @triton.jit
@@ -133,7 +153,8 @@ def _chunk_stats(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexp
     row = tl.program_id(0)
     cs = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     offs = cs[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row), UNIT_T)
+    x = _scaled_logits(Logits, stride_row, row, offs, V, tl.load(Temps + row), UNIT_T,
+                       COMPILED)
     m_c = tl.max(x, axis=1)
     c_mask = cs < C
     tl.store(CMax + row * C + cs, m_c, mask=c_mask)
@@ -168,9 +189,9 @@ def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CSum, Tokens, Logprobs, Pa
     chosen = cs == chunk
     before = tl.sum(tl.where(chosen, prefix - mass, 0.0), axis=0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T)
+    x = _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T, COMPILED)
     max_offs = tl.minimum(max_chunk, C - 1) * CHUNK + tl.arange(0, CHUNK)
-    x_max = _scaled_logits(Logits, stride_row, row, max_offs, V, t, UNIT_T)
+    x_max = _scaled_logits(Logits, stride_row, row, max_offs, V, t, UNIT_T, COMPILED)
     argmax = tl.min(tl.where(x_max == m, max_offs, V), axis=0)
     p = _terms(x, tl.max(tl.where(chosen, cmax, float("-inf")), axis=0), COMPILED)
     # the chunk's prefix sums brought to the row's frame as its mass was

@@ -7,11 +7,16 @@ On CPU the kernels run under the Triton interpreter (fp32, tests/conftest.py); b
 vocabulary order with float64 sums, summed in another order, so a draw could differ only where
 u * total falls within rounding of a token boundary (not on these rows)."""
 import dataclasses
+import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from scipy.stats import chisquare  # noqa: E402
 
@@ -192,6 +197,60 @@ def test_launch_from_the_environment(monkeypatch):
         monkeypatch.setenv("ROLLOUT_SAMPLER_LAUNCH", bad)
         with pytest.raises(ValueError, match="ROLLOUT_SAMPLER_LAUNCH"):
             triton_sampler.launch_from_env()
+
+
+@triton.jit
+def _scaled_logits_kernel(L, T, O, V, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = triton_sampler._scaled_logits(L, V, row, offs, V, tl.load(T + row), False, COMPILED)
+    tl.store(O + row * V + offs, x, mask=offs < V)
+
+
+def test_logits_over_temperature_are_the_ieee_quotient():
+    """logits / T as torch divides, bit for bit (compiled: the Markstein step, not
+    x · rcp.approx(T)), over logits from 0.01 to ~3,000 in size and ±inf, T from 0.05 to 3."""
+    gen = torch.Generator().manual_seed(9)
+    temps = torch.tensor([0.05, 0.1, 0.3, 0.6, 0.7, 0.9, 1.3, 3.0])
+    logits = torch.randn(len(temps), 4096, generator=gen) * 10 ** (torch.rand(len(temps), 4096,
+                                                                             generator=gen) * 5 - 2)
+    logits[:, :3] = torch.tensor([float("inf"), float("-inf"), 0.0])
+    out = torch.empty(len(temps), 4096, device=DEV)
+    _scaled_logits_kernel[(len(temps), 4)](logits.to(DEV), temps.to(DEV), out, 4096, BLOCK=1024,
+                                           COMPILED=triton_sampler._COMPILED)
+    assert torch.equal(out.cpu(), logits / temps[:, None])
+
+
+def _rn32(value: Fraction) -> float:
+    """A rational rounded to the nearest float32, ties to even (normal range)."""
+    if value == 0:
+        return 0.0
+    a = abs(value)
+    e = math.floor(math.log2(a))
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    scaled = a * Fraction(2) ** (23 - e)
+    whole, rest = divmod(scaled.numerator, scaled.denominator)
+    if 2 * rest > scaled.denominator or (2 * rest == scaled.denominator and whole % 2):
+        whole += 1
+    return math.copysign(float(Fraction(whole) * Fraction(2) ** (e - 23)), value)
+
+
+def test_the_division_step_rounds_as_ieee_division():
+    """The arithmetic `triton_sampler._div` relies on (Markstein's theorem), in exact rational
+    arithmetic: with r = RN(1/t) and q = RN(x·r), RN(q + r·RN(x - q·t)) — two fmas — is
+    RN(x / t)."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        t = np.float32(rng.uniform(0.05, 3.0))
+        x = np.float32(rng.normal() * 10 ** rng.uniform(-2, 3))
+        r = np.float32(1) / t
+        q = np.float32(x * r)
+        residual = _rn32(Fraction(float(x)) - Fraction(float(q)) * Fraction(float(t)))  # fma
+        got = _rn32(Fraction(float(q)) + Fraction(float(r)) * Fraction(residual))
+        assert got == float(x / t)
 
 
 @gpu
