@@ -24,6 +24,10 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS, PROMPT = 12, 2, 128, 28, 128
 CONFIGS = [(64, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 3),
            (128, 64, 8, 2), (128, 64, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2),
            (128, 128, 8, 2), (64, 128, 8, 2), (128, 32, 8, 3), (64, 64, 8, 4), (32, 64, 2, 3)]
+# the query heads of a KV head packed into one program (ExtendConfig.packed; 6 heads padded to 8
+# rows a token): block_m tokens a head, so 8 · block_m rows a program
+PACKED = [(16, 32, 4, 2, True), (16, 32, 8, 2, True), (16, 32, 4, 3, True), (16, 64, 8, 2, True),
+          (8, 32, 4, 2, True), (8, 64, 4, 3, True), (32, 32, 8, 2, True), (16, 16, 4, 3, True)]
 
 
 def make_case(batch: int, gen: torch.Generator) -> dict:
@@ -55,9 +59,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--batches", nargs="+", type=int, default=[64, 1])
+    p.add_argument("--packed", action="store_true", help="the packed configs and the default only")
     args = p.parse_args()
+    configs = [tuple(default)] + PACKED if args.packed else CONFIGS
     gen = torch.Generator().manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "default": list(extend_config(HEAD_DIM, torch.bfloat16)),
+    default = extend_config(HEAD_DIM, torch.bfloat16, HEADS // KV_HEADS)
+    result = {"device": torch.cuda.get_device_name(), "default": list(default),
               "cases": []}
     for batch in args.batches:
         case = make_case(batch, gen)
@@ -70,7 +77,7 @@ def main() -> None:
                                     case["prefix"], PROMPT, HEAD_DIM ** -0.5, out=outs[layer],
                                     config=cfg)
         rows = []
-        for c in CONFIGS:
+        for c in configs:
             cfg, row = ExtendConfig(*c), {"config": c}
             try:
                 first = call(cfg, 0).clone()

@@ -401,7 +401,7 @@ for stage in "$@"; do
               run sampler20_base 150 env PYTHONPATH=/tmp/base20:${PYTHONPATH} python3 benchmarks/gpu_sampler.py \
               --rows 1 128 --out "$OUT/sampler20_base.json"
               run sampler20_now 150 python3 benchmarks/gpu_sampler.py --rows 1 128 --out "$OUT/sampler20_now.json" ;;
-    smoke20) run smoke20 300 python3 -m pytest -q tests/test_triton_sampler.py -p no:cacheprovider \
+    smoke20) run smoke20 300 python3 -m pytest -q tests/test_triton_sampler.py tests/test_triton_kernels.py -p no:cacheprovider \
               && run smoke20_gpu 300 python3 -m pytest -q -m gpu tests/test_triton_sampler.py tests/test_sampler.py \
               tests/test_overlap_schedule.py -p no:cacheprovider ;;
     ab20b) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
@@ -411,6 +411,22 @@ for stage in "$@"; do
               run parity20 220 bash -c 'PYTHONPATH=/tmp/base20:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # the sampler at T = 1 (the engine's shortcut) over more launch shapes
+    sampler20b) run sampler20b 200 python3 benchmarks/gpu_sampler.py --rows 1 128 --unit-temperature \
+              --launches 4,4,8 2,4,8 4,2,8 8,4,8 2,2,8 4,4,4 4,4,16 1,8,8 1,4,8 1,16,8 --out "$OUT/sampler20b.json" ;;
+    # the sampler with random temperatures (the division), the session's start and now
+    sampler20c) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
+              run sampler20c_base 150 env PYTHONPATH=/tmp/base20:${PYTHONPATH} python3 benchmarks/gpu_sampler.py \
+              --rows 1 128 --launches 1,8,8 4,4,8 --out "$OUT/sampler20c_base.json"
+              run sampler20c_now 150 python3 benchmarks/gpu_sampler.py --rows 1 128 --launches 1,8,8 4,4,8 \
+              --out "$OUT/sampler20c_now.json" ;;
+    # the kernel and sampler spec files compiled (their CPU specs too) and the engine A/B again
+    # with the packed extend kernel (ab20c: base = the session's start, as ab20b)
+    smoke20b) run smoke20b 400 python3 -m pytest -q tests/test_triton_kernels.py tests/test_triton_sampler.py \
+              tests/test_graph_inputs.py -p no:cacheprovider ;;
+    ab20c) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
+           run ab20c 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 128} --repeats 2 --timeout-s 100 --out "$OUT/ab20c.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

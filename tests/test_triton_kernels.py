@@ -236,12 +236,15 @@ def test_req_to_token_write_kernel_equals_indexed_assignment(tokens):
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
-@pytest.mark.parametrize("config", [None, (64, 32, 4, 3), (16, 16, 2, 2)])
-def test_extend_kernel_matches_reference(head_dim, config):
-    """The default launch and others (new tokens a program, keys a step, warps, stages)."""
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 3), (16, 16, 2, 2), (16, 16, 4, 2, True),
+                                    (32, 16, 4, 3, True)])
+@pytest.mark.parametrize("heads", [4, 6])
+def test_extend_kernel_matches_reference(head_dim, config, heads):
+    """The default launch and others (new tokens a program, keys a step, warps, stages, query
+    heads packed by KV head: groups of 2 and of 3, padded to 4 rows a token)."""
     p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=head_dim, seed=1)
     ext, prefix, start = extend_meta(p)
-    q = torch.randn(int(ext.sum()), 4, head_dim, device=DEV)
+    q = torch.randn(int(ext.sum()), heads, head_dim, device=DEV)
     scale = head_dim ** -0.5
     out = extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
                            int(ext.max()), scale,
@@ -249,6 +252,21 @@ def test_extend_kernel_matches_reference(head_dim, config):
     expected = torch.cat([reference(q[s:s + n], p, b, scale)
                           for b, (s, n) in enumerate(zip(start.tolist(), ext.tolist()))])
     assert (out - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.skipif(
+    DEV.type == "cuda", reason="compiled, fp32's FMA dot may add in another order")),
+    torch.bfloat16])
+def test_extend_packed_rows_equal_the_unpacked_kernels(dtype):
+    """Packing a KV head's query heads into one program changes which program computes a row,
+    not the row's sums: bit for bit the unpacked launch with the same blocks."""
+    p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=32, seed=4, dtype=dtype)
+    ext, prefix, start = extend_meta(p)
+    q = torch.randn(int(ext.sum()), 6, 32, device=DEV).to(dtype)
+    outs = [extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
+                             int(ext.max()), 32 ** -0.5, config=ExtendConfig(16, 16, 4, 2, packed))
+            for packed in (False, True)]
+    assert torch.equal(outs[0], outs[1])
 
 
 # ---- the backend against torch_native -----------------------------------------------------------
@@ -415,18 +433,18 @@ def test_graph_inputs_fill_packed_and_per_field(pending):
     from rollout.model_runner import ModelRunner
     alloc = KVAllocator(8, 256, 64)
     rows = [alloc.alloc_row() for _ in range(3)]
-    fb = build_decode_batch(rows, [11, 12, 13], [4, 9, 2], alloc, torch.device("cpu"))
+    fb = build_decode_batch(rows, [11, 12, 13], [4, 9, 2], alloc, DEV)
     want = torch.stack([getattr(fb, name) for name in PAD_VALUES])
     assert torch.equal(fb.stacked(PAD_FIELDS), want)
     if pending:
-        want[0] = torch.tensor([21, 22, 23])
-    pads = torch.tensor(list(PAD_VALUES.values())).view(-1, 1).expand(-1, 5)
+        want[0] = torch.tensor([21, 22, 23], device=DEV)
+    pads = torch.tensor(list(PAD_VALUES.values()), device=DEV).view(-1, 1).expand(-1, 5)
     for batch in (fb, dataclasses.replace(fb, positions=fb.positions.clone())):
         assert (batch.stacked(PAD_FIELDS) is None) == (batch is not fb)
-        batch.input_ids_source = torch.tensor([21, 22, 23]) if pending else None
-        runner = SimpleNamespace(req_to_token_pool=ReqToTokenPool(8, 256, "cpu"))
+        batch.input_ids_source = torch.tensor([21, 22, 23], device=DEV) if pending else None
+        runner = SimpleNamespace(req_to_token_pool=ReqToTokenPool(8, 256, DEV))
         runner.take_inputs = ModelRunner.take_inputs.__get__(runner)
-        inputs = GraphInputs.allocate(8, torch.device("cpu"))
+        inputs = GraphInputs.allocate(8, DEV)
         inputs.table.fill_(-1)
         inputs.fill(batch, 8, runner)
         assert torch.equal(inputs.table[:, :3], want)

@@ -7,7 +7,11 @@ req_to_token, and new token i (absolute position prefix + i) sees keys 0..prefix
 
 One program per (request, head, block of BLOCK_M new tokens), flash-attention style online
 softmax over blocks of BLOCK_N keys; programs past a request's last block exit at once, so the
-grid can be sized by the longest extend in the batch."""
+grid can be sized by the longest extend in the batch. `ExtendConfig.packed`: one program per
+(request, KV head, block) instead, its rows the block's tokens of every query head of that KV
+head (GQA: Qwen2-1.5B has 6, padded to 8), so each key and value block is loaded once for the
+group rather than once per query head; a row's sums are the unpacked kernel's (bit for bit in
+16-bit; fp32's FMA dot may add in another order)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -26,28 +30,36 @@ def _extend_kernel(
     stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PACKED: tl.constexpr, GROUP_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
-    head = tl.program_id(1)
     m_block = tl.program_id(2)
     ext_len = tl.load(ExtLens + b).to(tl.int32)
     if m_block * BLOCK_M < ext_len:
-        kv_head = head // GROUP
+        if PACKED:  # rows: query head g of this KV head × token i of the block, g-major
+            kv_head = tl.program_id(1)
+            rows = tl.arange(0, GROUP_PAD * BLOCK_M)
+            heads = kv_head * GROUP + rows // BLOCK_M
+            offs_m = m_block * BLOCK_M + rows % BLOCK_M
+            m_mask = (rows // BLOCK_M < GROUP) & (offs_m < ext_len)
+        else:
+            kv_head = tl.program_id(1) // GROUP
+            offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            heads = tl.program_id(1) + 0 * offs_m
+            m_mask = offs_m < ext_len
         prefix = tl.load(PrefixLens + b).to(tl.int32)
         q_start = tl.load(StartLoc + b).to(tl.int64)
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < ext_len
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         q_rows = q_start + offs_m
-        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         q_pos = prefix + offs_m  # absolute position of each query token
         kv_end = prefix + tl.minimum((m_block + 1) * BLOCK_M, ext_len)  # causal: nothing later
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+        l_i = tl.zeros([q.shape[0]], tl.float32)
+        acc = tl.zeros([q.shape[0], BLOCK_D], tl.float32)
         for n0 in range(0, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < kv_end
@@ -67,7 +79,7 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        tl.store(O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -78,19 +90,23 @@ class ExtendConfig(NamedTuple):
     block_n: int = 64  # keys a step
     num_warps: int = 8
     num_stages: int = 3
+    packed: bool = False  # a program takes every query head of a KV head (block_m tokens each)
 
 
-def extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
-    """The launch for a head size and dtype. Rows of 129-256 bytes (head_dim 128 in bf16/fp16):
-    32 keys a step and 4 warps, measured on an H200 (`benchmarks/gpu_extend.py`, Qwen2-1.5B
-    heads, fresh 128-token prompts, µs per call in a graph): 64 requests 74.5 -> 40.3, one
-    request 7.7 -> 7.4 (the previous 64 keys and 8 warps). Wider rows (big heads, fp32) take
+def extend_config(head_dim: int, dtype: torch.dtype, group: int = 1) -> ExtendConfig:
+    """The launch for a head size, dtype and GQA group (query heads a KV head). Rows of 129-256
+    bytes (head_dim 128 in bf16/fp16): 32 keys a step and 4 warps, measured on an H200
+    (`benchmarks/gpu_extend.py`, Qwen2-1.5B heads, fresh 128-token prompts, µs per call in a
+    graph): 64 requests 74.5 -> 40.3, one request 7.7 -> 7.4 (the previous 64 keys and 8 warps);
+    with a group, its query heads packed, 8 tokens a head (twentieth session: 64 requests
+    40.1 -> 34.2, one request 7.4 -> 5.9; 16 tokens 36.6 / 7.5). Wider rows (big heads, fp32) take
     smaller tiles, so that the pipelined K/V tiles still fit in shared memory."""
     row_bytes = block_dmodel(head_dim) * torch.empty(0, dtype=dtype).element_size()
     if row_bytes > 256:
         return ExtendConfig(32, 32, 4 if head_dim <= 64 else 8)
     if row_bytes > 128:
-        return ExtendConfig(64, 32, 4)
+        # tl.dot takes 16 rows at least: 8 tokens of a group of two or more
+        return ExtendConfig(8, 32, 4, 2, True) if group >= 2 else ExtendConfig(64, 32, 4)
     return ExtendConfig(64, 64, 4 if head_dim <= 64 else 8)
 
 
@@ -110,8 +126,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     batch = req_pool_indices.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    cfg = config or extend_config(head_dim, q.dtype)
-    grid = (batch, heads, triton.cdiv(max_extend_len, cfg.block_m))
+    cfg = config or extend_config(head_dim, q.dtype, group)
+    if cfg.packed and triton.next_power_of_2(group) * cfg.block_m < 16:
+        raise ValueError(f"packed extend config {cfg}: {group} query heads a KV head x "
+                         f"{cfg.block_m} tokens is under the 16 rows tl.dot takes")
+    grid = (batch, heads // group if cfg.packed else heads, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, extend_start_loc,
         extend_seq_lens, extend_prefix_lens, sm_scale,
@@ -119,6 +138,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_dmodel(head_dim), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, PRECISION=dot_precision(q.dtype), PACKED=bool(cfg.packed),
+        GROUP_PAD=triton.next_power_of_2(group), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
