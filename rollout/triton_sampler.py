@@ -91,15 +91,12 @@ ENV_LAUNCH = launch_from_env()
 
 @triton.jit
 def _div(x, t, COMPILED: tl.constexpr):
-    """x / t rounded as IEEE division rounds it (torch's logits / T), for a row's scalar t.
-    Compiled, `x / t` by a scalar becomes x · rcp.approx(t), up to 2 ulp of x off (at T = 0.05
-    and logits near 50 that moved logprobs 1.6e-5 off the torch sampler's: the CPU spec run
-    compiled on an H200, twentieth session), and div.rn is ~15 instructions an element with a
-    slow-path branch; here the correctly rounded 1/t once (r), then one Newton step on the fma
-    residual (Markstein: with q = RN(x·r), fma(fma(-q, t, x), r, q) is RN(x / t) when
-    r = RN(1/t), barring over/underflow; the spec checks it in exact arithmetic), 3
-    instructions an element. ±inf logits stay ±inf (their residual
-    is NaN)."""
+    """x / t rounded as IEEE division rounds it (torch's logits / T) for a row's scalar t.
+    Compiled, a plain `x / t` is x · rcp.approx(t), up to 2 ulp of x off (logprobs 1.6e-5 off
+    torch's at T = 0.05, logits near 50), and div.rn costs ~15 instructions a logit; instead the
+    correctly rounded r = 1/t once, then one Newton step on the fma residual, 3 instructions:
+    with q = RN(x·r), fma(fma(-q, t, x), r, q) = RN(x / t) (Markstein; its spec checks it in
+    exact arithmetic). ±inf is kept apart (its residual is NaN)."""
     if COMPILED:
         r = tl.math.div_rn(1.0, t)
         q = x * r

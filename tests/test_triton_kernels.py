@@ -269,6 +269,17 @@ def test_extend_packed_rows_equal_the_unpacked_kernels(dtype):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_extend_packed_config_under_16_rows_is_refused():
+    """A packed launch of fewer than the 16 rows tl.dot takes (a group of 2 × 4 tokens) is a
+    ValueError naming the config, raised before any launch."""
+    p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=16, seed=4)
+    ext, prefix, start = extend_meta(p)
+    q = torch.randn(int(ext.sum()), 4, 16, device=DEV)
+    with pytest.raises(ValueError, match="under the 16 rows"):
+        extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix, int(ext.max()),
+                         0.25, config=ExtendConfig(4, 16, 4, 2, True))
+
+
 # ---- the backend against torch_native -----------------------------------------------------------
 def backend_outputs(p: Paged, mode: ForwardMode, heads: int, head_dim: int, seed: int = 0):
     """(triton, torch_native) outputs of one layer's attention for the batch described by p."""
