@@ -241,7 +241,7 @@ def test_req_to_token_write_kernel_equals_indexed_assignment(tokens):
 @pytest.mark.parametrize("heads", [4, 6])
 def test_extend_kernel_matches_reference(head_dim, config, heads):
     """The default launch and others (new tokens a program, keys a step, warps, stages, query
-    heads packed by KV head: groups of 2 and of 3, padded to 4 rows a token)."""
+    heads packed by KV head: groups of 2, and of 3 padded to 4 rows a token)."""
     p = make_paged(SEQ_LENS, PREFIX_LENS, kv_heads=2, head_dim=head_dim, seed=1)
     ext, prefix, start = extend_meta(p)
     q = torch.randn(int(ext.sum()), heads, head_dim, device=DEV)
