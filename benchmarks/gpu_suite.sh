@@ -393,6 +393,14 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # twenty-first session: the L2 set-aside this device grants; the L2 spec compiled; weights
+    # kept in the L2 across decode steps (l2_residency), engine A/B
+    l2info) run l2info 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO)
+from rollout import l2_residency as l2; print(torch.cuda.get_device_properties(0))
+print('granted', l2._reserve(torch.device('cuda:0'), 64 << 20))" ;;
+    smoke21) run smoke21 300 python3 -m pytest -q tests/test_l2_residency.py -p no:cacheprovider ;;
+    ab21a) run ab21a 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 150 --out "$OUT/ab21a.json" ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 120 --out "$OUT/ab20a.json" ;;
     # twentieth session: the sampler alone, the session's start (base20.tar: `git archive 697f9a0`,
