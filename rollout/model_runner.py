@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout import l2_residency, loader, pdl_policy
+from rollout import loader, pdl_policy
 from rollout.attention import create_backend
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
@@ -40,7 +40,6 @@ class ModelRunner:
         self.initialize()
         self.init_memory_pool(free_before)
         self.attn_backend = create_backend(config.attention_backend, self)
-        self.l2_resident = l2_residency.apply(self.model, self.device)  # before the capture
         self.graph_runner = self._init_cuda_graphs()
 
     # ---- initialisation -------------------------------------------------------------------

@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from rollout import l2_residency
 from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_ops import _is_compiled, _round
 from rollout.triton_pdl import launch_options, pdl_wait
@@ -101,26 +100,24 @@ def _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
 
 
 @triton.jit
-def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                 EVICT: tl.constexpr):
-    """The FMA kernel's weight tile at K offset k (and the up half's when gated; else zeros),
-    loaded with the L2 eviction policy EVICT (`l2_residency`)."""
+def _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """The FMA kernel's weight tile at K offset k (and the up half's when gated; else zeros)."""
     if EVEN_K:
-        w = tl.load(w_ptr + k, eviction_policy=EVICT).to(tl.float32)
+        w = tl.load(w_ptr + k).to(tl.float32)
         if GATED:
-            w_up = tl.load(wu_ptr + k, eviction_policy=EVICT).to(tl.float32)
+            w_up = tl.load(wu_ptr + k).to(tl.float32)
         else:
             w_up = tl.zeros_like(w)
     else:
-        w, w_up = _masked_weights(w_ptr, wu_ptr, k, (offs_k + k < K)[None, None, :], GATED, EVICT)
+        w, w_up = _masked_weights(w_ptr, wu_ptr, k, (offs_k + k < K)[None, None, :], GATED)
     return w, w_up
 
 
 @triton.jit
-def _masked_weights(w_ptr, wu_ptr, k, mask, GATED: tl.constexpr, EVICT: tl.constexpr):
-    w = tl.load(w_ptr + k, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _masked_weights(w_ptr, wu_ptr, k, mask, GATED: tl.constexpr):
+    w = tl.load(w_ptr + k, mask=mask, other=0.0).to(tl.float32)
     if GATED:
-        w_up = tl.load(wu_ptr + k, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        w_up = tl.load(wu_ptr + k, mask=mask, other=0.0).to(tl.float32)
     else:
         w_up = tl.zeros_like(w)
     return w, w_up
@@ -128,13 +125,13 @@ def _masked_weights(w_ptr, wu_ptr, k, mask, GATED: tl.constexpr, EVICT: tl.const
 
 @triton.jit
 def _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k, K, K_SPLIT, EVEN_K: tl.constexpr,
-                       GATED: tl.constexpr, EVICT: tl.constexpr):
+                       GATED: tl.constexpr):
     """`_fma_weights` at K offset k for the loop's next chunk: zeros and no load at all when the
     loop has no such chunk (k >= K_SPLIT), where a clamped offset would re-read one from L2."""
     ok = (offs_k * 0 + k < K_SPLIT)[None, None, :]  # a tensor: the interpreter's masks
     if not EVEN_K:
         ok = ok & (offs_k + k < K)[None, None, :]
-    return _masked_weights(w_ptr, wu_ptr, k, ok, GATED, EVICT)
+    return _masked_weights(w_ptr, wu_ptr, k, ok, GATED)
 
 
 @triton.jit
@@ -147,23 +144,22 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 @triton.jit
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
-                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr):
+                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
     the weight: the weights are no earlier kernel's output, so under PDL they stream in while the
-    previous kernel finishes; x (its output) only after the wait. EVICT: the weights' L2
-    eviction policy (`l2_residency`)."""
-    w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED, EVICT)
+    previous kernel finishes; x (its output) only after the wait."""
+    w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
-        w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED, EVICT)
+        w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
-        w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED, EVICT)
+        w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
     if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
         w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start, K, K_SPLIT, EVEN_K,
-                                             GATED, EVICT)
+                                             GATED)
     x = _fma_x(x_ptr, offs_k, 0, K, EVEN_K)
     acc = x * w
     acc_up = x * w_up
@@ -181,9 +177,9 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
             w, w_up = w_next, wu_next
             w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + BLOCK_K, K, K_SPLIT,
-                                                 EVEN_K, GATED, EVICT)
+                                                 EVEN_K, GATED)
         else:
-            w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED, EVICT)
+            w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
         x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
         acc += x * w
         if GATED:
@@ -196,7 +192,7 @@ def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -209,7 +205,7 @@ def _gemv_fma_kernel(
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
-                               PRELOAD, LOOKAHEAD, USE_PDL, EVICT)
+                               PRELOAD, LOOKAHEAD, USE_PDL)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
 
@@ -364,7 +360,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), EVICT=l2_residency.policy(weight), **meta)
+            LOOKAHEAD=bool(cfg.lookahead), **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 

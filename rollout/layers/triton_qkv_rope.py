@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rollout import l2_residency
 from rollout.layers import triton_gemm_tma, triton_gemv
 from rollout.layers.triton_ops import KVStore, _round
 from rollout.triton_pdl import launch_options, pdl_wait
@@ -55,7 +54,7 @@ def _qkv_rope_kernel(
     stride_st, stride_kb, stride_vb,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    COMPILED: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    COMPILED: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     per_head = HALF // PAIRS
@@ -74,7 +73,7 @@ def _qkv_rope_kernel(
     x_ptr = X + rows_m[:, None, None] * stride_xm + offs_k[None, None, :]
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]
     acc, _ = triton_gemv.fma_row_sums(x_ptr, w_ptr, w_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K,
-                                      False, PRELOAD, False, USE_PDL, EVICT)
+                                      False, PRELOAD, False, USE_PDL)
     if HAS_BIAS:
         acc += bias[None, :]
     x1, x2 = tl.split(tl.reshape(_round(acc, Y.dtype.element_ty, COMPILED), [BLOCK_M, PAIRS, 2]))
@@ -229,7 +228,6 @@ def _launch_fma(x, weight, bias, out, cos, sin, heads: QKVHeads, kv: KVStore,
         Q_HEADS=heads.q, KV_HEADS=heads.kv, HEAD_DIM=heads.dim, PAIRS=pairs,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0,
         HAS_BIAS=bias is not None, COMPILED=triton_gemv._COMPILED, PRELOAD=preload,
-        EVICT=l2_residency.policy(weight),
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         **launch_options(preloads_weights=True))
 
