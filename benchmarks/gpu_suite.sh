@@ -393,12 +393,13 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
-    # twenty-first session: the L2 set-aside this device grants; the L2 spec compiled; weights
-    # kept in the L2 across decode steps (l2_residency), engine A/B
-    l2info) run l2info 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO)
-from rollout import l2_residency as l2; print(torch.cuda.get_device_properties(0))
-print('granted', l2._reserve(torch.device('cuda:0'), 64 << 20))" ;;
-    smoke21) run smoke21 300 python3 -m pytest -q tests/test_l2_residency.py -p no:cacheprovider ;;
+    # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
+    # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM), engine A/B
+    # the one-row GEMVs' loop as Triton's software pipeline (Config.pipeline): the GEMV spec file
+    # compiled (CPU cases and GPU ones), then the engine A/B at batch 1
+    gemv21) run gemv21 200 python3 -m pytest -q tests/test_triton_gemv.py -p no:cacheprovider ;;
+    ab21b) run ab21b 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_b.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21b.json" ;;
     ab21a) run ab21a 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 150 --out "$OUT/ab21a.json" ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \

@@ -49,6 +49,9 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     # the next K chunk loaded before the FMA on this one (none past the split's last chunk)
     "fma_lookahead": Config(8, 16, lookahead=True),
     "fma_split_lookahead": Config(8, 16, 2, preload=2, lookahead=True),
+    # the loop after the preloaded chunks as Triton's software pipeline (cp.async when compiled)
+    "fma_pipeline": Config(8, 16, preload=2, pipeline=3),
+    "fma_split_pipeline": Config(8, 16, 2, pipeline=4),
     # tiles loaded by TMA (zero-filled past the edges: ragged N, and K 48 against chunks of 32)
     "tma": Config(16, 32, dot=True, block_m=16, tma=True),
     "tma_small_tiles": Config(16, 16, dot=True, num_stages=4, block_m=16, tma=True),
@@ -181,6 +184,27 @@ def test_lookahead_changes_no_bit():
                 skinny_gate_up_silu(x, w, 20, config=cfg)), cfg
 
 
+def test_pipeline_changes_no_bit():
+    """The loop as a software pipeline moves loads, not sums: the same bits as the lookahead
+    loop and the plain one (compiled where a GPU runs this file: cp.async stages), and a config
+    asking for both is refused."""
+    dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+    w, b = rand(40, 200, dtype=dtype, seed=3), rand(40, dtype=dtype, seed=4)
+    for m in (1, 3):
+        x = rand(m, 200, dtype=dtype, seed=m)
+        for cfg in (Config(8, 32), Config(8, 32, 2, preload=2), Config(4, 16, preload=3)):
+            plain = skinny_linear(x, w, b, config=cfg)
+            assert torch.equal(skinny_linear(x, w, b, config=cfg._replace(lookahead=True)), plain)
+            for stages in (2, 4):
+                assert torch.equal(skinny_linear(x, w, b, config=cfg._replace(pipeline=stages)),
+                                   plain), (cfg, stages)
+                assert torch.equal(
+                    skinny_gate_up_silu(x, w, 20, config=cfg._replace(pipeline=stages)),
+                    skinny_gate_up_silu(x, w, 20, config=cfg)), (cfg, stages)
+    with pytest.raises(ValueError, match="lookahead or pipeline"):
+        skinny_linear(x, w, b, config=Config(8, 32, lookahead=True, pipeline=3))
+
+
 @gpu
 @pytest.mark.parametrize("preload", [2, 3])
 def test_gpu_preload_changes_no_bit(preload):
@@ -201,6 +225,8 @@ def test_gpu_preload_changes_no_bit(preload):
         assert torch.equal(skinny_linear(x, w, config=cfg._replace(preload=preload)),
                            skinny_linear(x, w, config=cfg)), name
         assert torch.equal(skinny_linear(x, w, config=cfg._replace(lookahead=True)),
+                           skinny_linear(x, w, config=cfg)), name
+        assert torch.equal(skinny_linear(x, w, config=cfg._replace(lookahead=False, pipeline=4)),
                            skinny_linear(x, w, config=cfg)), name
 
 

@@ -33,6 +33,8 @@ class Config(NamedTuple):
     swap_ab: bool = False  # TMA kernel: out^T = W x^T (the weight tile on the MMA's M side)
     prefetch_k: int = 0  # TMA kernel: K columns of its weight rows prefetched into L2 before
     # the PDL wait (0: none)
+    pipeline: int = 0  # FMA kernel: > 1, its loop after the preloaded chunks as Triton's
+    # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's

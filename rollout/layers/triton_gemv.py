@@ -144,12 +144,14 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 @triton.jit
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
-                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
     the weight: the weights are no earlier kernel's output, so under PDL they stream in while the
-    previous kernel finishes; x (its output) only after the wait."""
+    previous kernel finishes; x (its output) only after the wait. The loop after the preloaded
+    chunks keeps the next chunk in flight in registers (LOOKAHEAD) or, PIPELINE > 1, runs as
+    Triton's software pipeline of PIPELINE stages (the same sums in the same order either way)."""
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
@@ -173,17 +175,26 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         acc += x * w2
         if GATED:
             acc_up += x * w2_up
-    for k in range(start, K_SPLIT, BLOCK_K):
-        if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
-            w, w_up = w_next, wu_next
-            w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + BLOCK_K, K, K_SPLIT,
-                                                 EVEN_K, GATED)
-        else:
+    if PIPELINE > 1:  # Triton's software pipeline: PIPELINE - 1 chunks in flight through
+        # cp.async into shared memory (plain `range` loads feeding no tl.dot are not pipelined)
+        for k in tl.range(start, K_SPLIT, BLOCK_K, num_stages=PIPELINE):
             w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
-        x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
-        acc += x * w
-        if GATED:
-            acc_up += x * w_up
+            x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
+            acc += x * w
+            if GATED:
+                acc_up += x * w_up
+    else:
+        for k in range(start, K_SPLIT, BLOCK_K):
+            if LOOKAHEAD:  # two chunks in flight: the next one's load is issued before this FMA
+                w, w_up = w_next, wu_next
+                w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, k + BLOCK_K, K,
+                                                     K_SPLIT, EVEN_K, GATED)
+            else:
+                w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, k, K, EVEN_K, GATED)
+            x = _fma_x(x_ptr, offs_k, k, K, EVEN_K)
+            acc += x * w
+            if GATED:
+                acc_up += x * w_up
     return tl.sum(acc, axis=2), tl.sum(acc_up, axis=2)
 
 
@@ -192,7 +203,7 @@ def _gemv_fma_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -205,7 +216,7 @@ def _gemv_fma_kernel(
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
-                               PRELOAD, LOOKAHEAD, USE_PDL)
+                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
 
@@ -357,10 +368,12 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
             raise ValueError(f"{M} rows: the FMA kernel takes at most {FMA_MAX_M} (use dot=True)")
         if not 1 <= cfg.preload <= 3:
             raise ValueError(f"preload={cfg.preload}: the FMA kernel loads 1 to 3 K chunks early")
+        if cfg.pipeline > 1 and cfg.lookahead:
+            raise ValueError("the FMA kernel's loop takes lookahead or pipeline, not both")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), **meta)
+            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 
