@@ -400,6 +400,8 @@ for stage in "$@"; do
     gemv21) run gemv21 200 python3 -m pytest -q tests/test_triton_gemv.py -p no:cacheprovider ;;
     ab21b) run ab21b 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21b.json" ;;
+    ab21c) run ab21c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_c.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21c.json" ;;
     ab21a) run ab21a 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 150 --out "$OUT/ab21a.json" ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \

@@ -85,7 +85,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # ab_seventeenth_session_e.json: batch-1 decode graph 1.0344 -> 1.0187 ms; four rows a
     # program 1.0739; four chunks, ab_seventeenth_session_f.json, 1.0225 -> 1.1667).
     (1, 1536, 8960, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
-    (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3),  # LM head: 107 µs, cuBLAS 113
+    # LM head: 107 µs alone, cuBLAS 113. Twenty-first session: its loop as Triton's software
+    # pipeline of 3 stages (cp.async; benchmarks/ab_twentyfirst_session_b.json: batch-1 decode
+    # graph 1.0118 -> 1.0097 ms; the same for down and gate/up lost 7-16%, their CTA barriers)
+    (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3, pipeline=3),
     # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
     # of 128, six in flight (ninth session; alone at 128 rows qkv 5.0 µs vs cuBLAS 6.0, o 4.8 vs
     # 5.5; in the engine the decode graph -2.1% at batches 32, 64 and 128,
