@@ -402,6 +402,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21b.json" ;;
     ab21c) run ab21c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21c.json" ;;
+    ab21d) run ab21d 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_d.json \
+              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21d.json" ;;
     ab21a) run ab21a 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 150 --out "$OUT/ab21a.json" ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \

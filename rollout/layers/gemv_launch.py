@@ -87,8 +87,9 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (1, 1536, 8960, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
     # LM head: 107 µs alone, cuBLAS 113. Twenty-first session: its loop as Triton's software
     # pipeline of 3 stages (cp.async; benchmarks/ab_twentyfirst_session_b.json: batch-1 decode
-    # graph 1.0118 -> 1.0097 ms; the same for down and gate/up lost 7-16%, their CTA barriers)
-    (1, 151936, 1536, False): Config(16, 256, 1, 4, False, 3, pipeline=3),
+    # graph 1.0118 -> 1.0097 ms; the same for down and gate/up lost 7-16%, their CTA barriers),
+    # then 8 rows a program in K chunks of 512 (ab_twentyfirst_session_c/d.json)
+    (1, 151936, 1536, False): Config(8, 512, 1, 4, False, 3, pipeline=3),
     # qkv and o at decode batches: the TMA-fed kernel (triton_gemm_tma), 64 x 32 tiles, K chunks
     # of 128, six in flight (ninth session; alone at 128 rows qkv 5.0 µs vs cuBLAS 6.0, o 4.8 vs
     # 5.5; in the engine the decode graph -2.1% at batches 32, 64 and 128,
