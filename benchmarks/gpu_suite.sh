@@ -23,6 +23,12 @@ run() {  # run NAME SECONDS CMD...
   tail -n 25 "$OUT/$name.log"
 }
 
+ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B (engine_ab.py)
+  local name=$1 variants=$2 secs=$3; shift 3
+  run "$name" "$secs" python3 benchmarks/engine_ab.py --variants "$variants" --rounds ${ROUNDS:-2} \
+    --batch-sizes "$@" --repeats 2 --timeout-s 150 --out "$OUT/$name.json"
+}
+
 for stage in "$@"; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
@@ -394,18 +400,14 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
-    # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM), engine A/B
+    # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM)
+    ab21a) ab_stage ab21a benchmarks/ab_twentyfirst_session.json 560 1 128 ;;
     # the one-row GEMVs' loop as Triton's software pipeline (Config.pipeline): the GEMV spec file
-    # compiled (CPU cases and GPU ones), then the engine A/B at batch 1
+    # compiled (CPU cases and GPU ones); the engine A/Bs at batch 1 (down, gate/up, the LM head)
     gemv21) run gemv21 200 python3 -m pytest -q tests/test_triton_gemv.py -p no:cacheprovider ;;
-    ab21b) run ab21b 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_b.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21b.json" ;;
-    ab21c) run ab21c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_c.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21c.json" ;;
-    ab21d) run ab21d 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session_d.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/ab21d.json" ;;
-    ab21a) run ab21a 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentyfirst_session.json \
-              --rounds ${ROUNDS:-2} --batch-sizes 1 128 --repeats 2 --timeout-s 150 --out "$OUT/ab21a.json" ;;
+    ab21b) ab_stage ab21b benchmarks/ab_twentyfirst_session_b.json 560 1 ;;
+    ab21c) ab_stage ab21c benchmarks/ab_twentyfirst_session_c.json 300 1 ;;
+    ab21d) ab_stage ab21d benchmarks/ab_twentyfirst_session_d.json 330 1 ;;
     ab20a) run ab20a 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session.json \
               --rounds ${ROUNDS:-2} --batch-sizes 128 --repeats 2 --timeout-s 120 --out "$OUT/ab20a.json" ;;
     # twentieth session: the sampler alone, the session's start (base20.tar: `git archive 697f9a0`,
