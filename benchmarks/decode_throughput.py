@@ -43,8 +43,8 @@ def _sync(device: str) -> None:
 
 def model_dir_for(shape: str) -> Path:
     """A random HF checkpoint of a benchmark shape in a temporary directory removed when the
-    process exits (3 GB for qwen2-1.5b: leaked once per process, an A/B of 15 processes filled
-    the device machine's 64 GiB disk)."""
+    process exits (3 GB for qwen2-1.5b: leaked once per process, 22 processes of A/Bs on one
+    device machine filled its 64 GiB disk)."""
     tmp = tempfile.mkdtemp(prefix=f"bench-{shape}-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     return make_tiny_model(Path(tmp) / shape, SHAPES[shape], with_tokenizer=False)
