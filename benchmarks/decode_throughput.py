@@ -41,13 +41,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def model_dir_for(shape: str) -> Path:
-    """A random HF checkpoint of a benchmark shape in a temporary directory removed when the
-    process exits (3 GB for qwen2-1.5b: leaked once per process, 22 processes of A/Bs on one
-    device machine filled its 64 GiB disk)."""
-    tmp = tempfile.mkdtemp(prefix=f"bench-{shape}-")
+def model_dir_for(shape: str | TinyModelSpec) -> Path:
+    """A random HF checkpoint of a benchmark shape (a SHAPES name, or a spec) in a temporary
+    directory removed when the process exits (3 GB for qwen2-1.5b: leaked once per process, 22
+    processes of A/Bs on one device machine filled its 64 GiB disk)."""
+    spec, name = (SHAPES[shape], shape) if isinstance(shape, str) else (shape, "m")
+    tmp = tempfile.mkdtemp(prefix=f"bench-{name}-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    return make_tiny_model(Path(tmp) / shape, SHAPES[shape], with_tokenizer=False)
+    return make_tiny_model(Path(tmp) / name, spec, with_tokenizer=False)
 
 
 def gpu_engine(shape: str, max_running_requests: int) -> Engine:

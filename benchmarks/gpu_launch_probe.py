@@ -8,15 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode_throughput import SHAPES, prompts_for
+from benchmarks.decode_throughput import SHAPES, model_dir_for, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
 
 
 def host_ms_per_launch(graphs, n: int = 60) -> tuple[float, float]:
@@ -43,7 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="launch_probe.json")
     args = p.parse_args()
-    d = make_tiny_model(Path(tempfile.mkdtemp()) / "m", SHAPES["qwen2-1.5b"], with_tokenizer=False)
+    d = model_dir_for("qwen2-1.5b")
     engine = Engine(EngineConfig(model_path=str(d), device="cuda", dtype="bfloat16",
                                  max_running_requests=8, load_format="dummy"))
     gr = engine.runner.graph_runner

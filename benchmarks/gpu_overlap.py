@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode_throughput import SHAPES, engine_runner, timed
+from benchmarks.decode_throughput import SHAPES, engine_runner, model_dir_for, timed
 from benchmarks.profile_decode import replay_ms
 from benchmarks.gpu_parity import ragged_prompts
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
 
 
 def main() -> None:
@@ -31,7 +29,7 @@ def main() -> None:
     p.add_argument("--out", default="overlap.json")
     args = p.parse_args()
     args.device = "cuda"
-    path = make_tiny_model(Path(tempfile.mkdtemp()) / "m", SHAPES["qwen2-1.5b"], with_tokenizer=False)
+    path = model_dir_for("qwen2-1.5b")
     rows = {bs: {"batch": bs} for bs in args.batch_sizes}
     prompts = ragged_prompts(SHAPES["qwen2-1.5b"].vocab_size) * 4  # 32 ragged prompts
     check = [SamplingParams(max_new_tokens=24 + 3 * (i % 5), temperature=0.0 if i % 2 else 1.0, seed=i,

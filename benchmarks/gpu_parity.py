@@ -18,15 +18,13 @@ import argparse
 import dataclasses
 import gc
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode_throughput import SHAPES, prompts_for
+from benchmarks.decode_throughput import SHAPES, model_dir_for, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
 
 RAGGED_LENS = [5, 17, 33, 64, 9, 128, 71, 2]
 
@@ -75,7 +73,7 @@ def main() -> None:
     p.add_argument("--hf-control", action="store_true", help="also HF eager vs HF sdpa")
     args = p.parse_args()
     spec = dataclasses.replace(SHAPES["qwen2-1.5b"], embed_std=args.embed_std)
-    path = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", spec, with_tokenizer=False))
+    path = str(model_dir_for(spec))
     prompts, result = ragged_prompts(spec.vocab_size), {"embed_std": args.embed_std,
                                                             "init_std": spec.init_std, "dtype": args.dtype}
     base = dict(model_path=path, device="cuda", dtype=args.dtype, max_running_requests=64)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.call_breakdown import call_seconds
 from benchmarks.cuda_timing import replay_seconds
-from benchmarks.decode_throughput import SHAPES, prompts_for
+from benchmarks.decode_throughput import SHAPES, model_dir_for, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.tiny_model import make_tiny_model
 
 
 def replay_ms(engine: Engine, bs: int, n: int = 50) -> float:
@@ -123,7 +121,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     prompt_len = args.prompt_len or (128 if cuda else 32)
     spec = SHAPES[args.shape]
-    d = make_tiny_model(Path(tempfile.mkdtemp()) / "m", spec, with_tokenizer=False)
+    d = model_dir_for(spec)
     engine = Engine(EngineConfig(model_path=str(d), device=args.device,
                                  dtype="bfloat16" if cuda else "float32",
                                  max_running_requests=max(args.batch_sizes),
