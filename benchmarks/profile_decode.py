@@ -121,7 +121,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     prompt_len = args.prompt_len or (128 if cuda else 32)
     spec = SHAPES[args.shape]
-    d = model_dir_for(spec)
+    d = model_dir_for(args.shape)
     engine = Engine(EngineConfig(model_path=str(d), device=args.device,
                                  dtype="bfloat16" if cuda else "float32",
                                  max_running_requests=max(args.batch_sizes),
