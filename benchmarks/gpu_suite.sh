@@ -399,6 +399,15 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # twenty-second session: the one-row MLP's gate/up -> down hand-off (rollout/layers/
+    # mlp_handoff.py): its spec and the kernels it changed, compiled; batch-1 samples with it off
+    # and on (the same bits expected); the engine A/B
+    handoff22) run handoff22 300 python3 -m pytest -q tests/test_mlp_handoff.py tests/test_triton_gemv.py \
+              tests/test_triton_qkv_rope.py -p no:cacheprovider ;;
+    parity22) run parity22 240 bash -c 'ROLLOUT_MLP_HANDOFF=0 python3 benchmarks/sample_dump.py --batch 1 \
+              --out $OUT/samples22_off.json && python3 benchmarks/sample_dump.py --batch 1 --out $OUT/samples22_on.json \
+              && python3 benchmarks/sample_dump.py --compare $OUT/samples22_off.json $OUT/samples22_on.json' ;;
+    ab22a) ab_stage ab22a benchmarks/ab_twentysecond_session.json 420 1 ;;
     # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
     # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM)
     ab21a) ab_stage ab21a benchmarks/ab_twentyfirst_session.json 560 1 128 ;;

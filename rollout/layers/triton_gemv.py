@@ -47,7 +47,7 @@ in triton_ops.silu_and_mul (libdevice expf, IEEE division, no FMA contraction).
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
@@ -65,6 +65,11 @@ from rollout.layers.gemv_launch import (  # noqa: F401
 
 
 # ---- kernels ------------------------------------------------------------------------------------
+# _gemv_fma_kernel's HANDOFF roles (the one-row MLP, `mlp_handoff`)
+HANDOFF_SIGNAL: tl.constexpr = tl.constexpr(1)
+HANDOFF_AWAIT: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
 def _silu_mul(gate, up, dt: tl.constexpr, COMPILED: tl.constexpr):
     """silu(gate).to(dt) * up, rounded, for fp32 gate/up already rounded to dt (as silu_and_mul)."""
@@ -142,22 +147,40 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def await_count(counter, target):
+    """Spin until the int32 at `counter` reaches `target` (acquire: what its adders wrote before
+    their release-adds is visible after)."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
-                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0):
+                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0,
+                 Ready=None, ready_target=0, AWAIT_READY: tl.constexpr = False):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
     the weight: the weights are no earlier kernel's output, so under PDL they stream in while the
     previous kernel finishes; x (its output) only after the wait. The loop after the preloaded
     chunks keeps the next chunk in flight in registers (LOOKAHEAD) or, PIPELINE > 1, runs as
-    Triton's software pipeline of PIPELINE stages (the same sums in the same order either way)."""
+    Triton's software pipeline of PIPELINE stages (the same sums in the same order either way).
+    AWAIT_READY (the one-row MLP's hand-off, `mlp_handoff`): instead of the PDL wait, this
+    program's x range is awaited through the int32 at `Ready` reaching `ready_target`, and the
+    next kernel is let launch first."""
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    if AWAIT_READY:
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        await_count(Ready, ready_target)
+    else:
+        pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
     if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
         w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start, K, K_SPLIT, EVEN_K,
@@ -200,11 +223,16 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
 def _gemv_fma_kernel(
-    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym, Ready, ready_span,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
+    HANDOFF: tl.constexpr = 0,
 ):
+    """HANDOFF (`mlp_handoff`; 0: none): SIGNAL, this program adds the output columns it wrote
+    to the counter of the `ready_span` columns they fall in; AWAIT, its K split's x columns are
+    awaited through the counter of the split (instead of the PDL wait), and the launch's last
+    program to finish zeroes the counters again."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,9 +244,21 @@ def _gemv_fma_kernel(
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
-                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE)
+                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE, Ready + pid_k,
+                               tl.minimum(K_SPLIT, K - pid_k * K_SPLIT), HANDOFF == HANDOFF_AWAIT)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
+    if HANDOFF == HANDOFF_SIGNAL:
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(Ready + pid_n * BLOCK_N // ready_span,
+                      tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), sem="release", scope="gpu")
+    if HANDOFF == HANDOFF_AWAIT:
+        # every program has seen its counter full before it counts itself done, so the last
+        # one may zero them: the next launch's signals come after this kernel (the PDL chain)
+        done = tl.atomic_add(Ready + SPLIT, 1, sem="relaxed", scope="gpu")
+        if done == tl.num_programs(0) * SPLIT - 1:
+            for s in tl.static_range(SPLIT + 1):
+                tl.store(Ready + s, 0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -340,8 +380,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
 
+class Handoff(NamedTuple):
+    """A one-row FMA launch's part in the MLP's gate/up -> down hand-off (`mlp_handoff`)."""
+
+    counters: torch.Tensor  # int32 [down's K splits + 1], zero between hand-offs
+    span: int  # x columns of down a counter stands for (the K range of one of its splits)
+    role: int  # HANDOFF_SIGNAL (gate/up) or HANDOFF_AWAIT (down)
+
+
 def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
-            defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
+            defer_split: bool = False, handoff: Optional[Handoff] = None,
+            partials: Optional[torch.Tensor] = None) -> Union[torch.Tensor, SplitSum]:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
@@ -349,7 +398,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)
     split, k_split = split_k_range(K, cfg)
-    partials = split_partials(M, N, gated, split, out)
+    if partials is None:
+        partials = split_partials(M, N, gated, split, out)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     w_up = weight[N:] if gated else weight  # the up half's rows
@@ -371,9 +421,10 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         if cfg.pipeline > 1 and cfg.lookahead:
             raise ValueError("the FMA kernel's loop takes lookahead or pipeline, not both")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
+        ready, span, role = handoff if handoff is not None else (out, 1, 0)
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
-            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, **meta)
+            *args, ready, span, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
+            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, HANDOFF=role, **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 
