@@ -47,6 +47,7 @@ in triton_ops.silu_and_mul (libdevice expf, IEEE division, no FMA contraction).
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -68,6 +69,16 @@ from rollout.layers.gemv_launch import (  # noqa: F401
 # _gemv_fma_kernel's HANDOFF roles (the one-row MLP, `mlp_handoff`)
 HANDOFF_SIGNAL: tl.constexpr = tl.constexpr(1)
 HANDOFF_AWAIT: tl.constexpr = tl.constexpr(2)
+# A/B knobs of the hand-off (twenty-second session): a nanosleep between the spin's loads, down
+# letting the next kernel launch after its await instead of before, and (a diagnostic only:
+# not ordered) the signal's add without release
+_HANDOFF_SLEEP_NS: tl.constexpr = tl.constexpr(int(os.environ.get("ROLLOUT_MLP_HANDOFF_SLEEP_NS", "0")))
+_HANDOFF_SLEEP_ASM: tl.constexpr = tl.constexpr(
+    f"nanosleep.u32 {_HANDOFF_SLEEP_NS.value}; mov.u32 $0, 0;")
+_HANDOFF_TRIGGER_AFTER: tl.constexpr = tl.constexpr(
+    os.environ.get("ROLLOUT_MLP_HANDOFF_TRIGGER", "before") == "after")
+_HANDOFF_SIGNAL_SEM: tl.constexpr = tl.constexpr(
+    os.environ.get("ROLLOUT_MLP_HANDOFF_SIGNAL_SEM", "release"))
 
 
 @triton.jit
@@ -147,11 +158,19 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def await_count(counter, target):
-    """Spin until the int32 at `counter` reaches `target` (acquire: what its adders wrote before
-    their release-adds is visible after)."""
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+def await_count(counter, target, COMPILED: tl.constexpr):
+    """Spin until the int32 at `counter` reaches `target`, then acquire (what its adders wrote
+    before their release-adds is visible after). The spin's loads are relaxed: an acquire load
+    compiles to a strong load plus an invalidation of the SM's whole L1, which stalls the
+    other programs on the SM if issued at every turn."""
+    seen = tl.atomic_add(counter, 0, sem="relaxed", scope="gpu")
     while seen < target:
+        if COMPILED and _HANDOFF_SLEEP_NS > 0:
+            tl.inline_asm_elementwise(_HANDOFF_SLEEP_ASM, "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        seen = tl.atomic_add(counter, 0, sem="relaxed", scope="gpu")
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen < target:  # never taken; uses the acquire's value, which is otherwise dropped
         seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
 
 
@@ -159,7 +178,8 @@ def await_count(counter, target):
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
                  LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0,
-                 Ready=None, ready_target=0, AWAIT_READY: tl.constexpr = False):
+                 Ready=None, ready_target=0, AWAIT_READY: tl.constexpr = False,
+                 COMPILED: tl.constexpr = False):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
@@ -176,9 +196,11 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
     if AWAIT_READY:
-        if USE_PDL:
+        if USE_PDL and not _HANDOFF_TRIGGER_AFTER:
             tl.extra.cuda.gdc_launch_dependents()
-        await_count(Ready, ready_target)
+        await_count(Ready, ready_target, COMPILED)
+        if USE_PDL and _HANDOFF_TRIGGER_AFTER:
+            tl.extra.cuda.gdc_launch_dependents()
     else:
         pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
@@ -245,13 +267,15 @@ def _gemv_fma_kernel(
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
                                PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE, Ready + pid_k,
-                               tl.minimum(K_SPLIT, K - pid_k * K_SPLIT), HANDOFF == HANDOFF_AWAIT)
+                               tl.minimum(K_SPLIT, K - pid_k * K_SPLIT), HANDOFF == HANDOFF_AWAIT,
+                               COMPILED)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
     if HANDOFF == HANDOFF_SIGNAL:
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_add(Ready + pid_n * BLOCK_N // ready_span,
-                      tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), sem="release", scope="gpu")
+                      tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), sem=_HANDOFF_SIGNAL_SEM,
+                      scope="gpu")
     if HANDOFF == HANDOFF_AWAIT:
         # every program has seen its counter full before it counts itself done, so the last
         # one may zero them: the next launch's signals come after this kernel (the PDL chain)
