@@ -411,6 +411,7 @@ for stage in "$@"; do
     # its spin on relaxed loads (ab22a lost 19%) and its knobs (sleep, trigger, signal)
     handoff22b) run handoff22b 200 python3 -m pytest -q tests/test_mlp_handoff.py -p no:cacheprovider ;;
     ab22b) ab_stage ab22b benchmarks/ab_twentysecond_session_b.json 560 1 ;;
+    ab22c) ab_stage ab22c benchmarks/ab_twentysecond_session_c.json 400 1 ;;
     # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
     # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM)
     ab21a) ab_stage ab21a benchmarks/ab_twentyfirst_session.json 560 1 128 ;;

@@ -77,6 +77,7 @@ _HANDOFF_SLEEP_ASM: tl.constexpr = tl.constexpr(
     f"nanosleep.u32 {_HANDOFF_SLEEP_NS.value}; mov.u32 $0, 0;")
 _HANDOFF_TRIGGER_AFTER: tl.constexpr = tl.constexpr(
     os.environ.get("ROLLOUT_MLP_HANDOFF_TRIGGER", "before") == "after")
+_HANDOFF_WAIT: tl.constexpr = tl.constexpr(os.environ.get("ROLLOUT_MLP_HANDOFF_WAIT", "counters"))
 _HANDOFF_SIGNAL_SEM: tl.constexpr = tl.constexpr(
     os.environ.get("ROLLOUT_MLP_HANDOFF_SIGNAL_SEM", "release"))
 
@@ -195,12 +196,16 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    if AWAIT_READY:
+    if AWAIT_READY and _HANDOFF_WAIT == "pdl":  # diagnostic: the PDL wait, the counters unread
+        pdl_wait(USE_PDL)
+    elif AWAIT_READY:
         if USE_PDL and not _HANDOFF_TRIGGER_AFTER:
             tl.extra.cuda.gdc_launch_dependents()
         await_count(Ready, ready_target, COMPILED)
         if USE_PDL and _HANDOFF_TRIGGER_AFTER:
             tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL and _HANDOFF_WAIT == "both":  # diagnostic: the counters, then the PDL wait
+            tl.extra.cuda.gdc_wait()
     else:
         pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
