@@ -412,6 +412,11 @@ for stage in "$@"; do
     handoff22b) run handoff22b 200 python3 -m pytest -q tests/test_mlp_handoff.py -p no:cacheprovider ;;
     ab22b) ab_stage ab22b benchmarks/ab_twentysecond_session_b.json 560 1 ;;
     ab22c) ab_stage ab22c benchmarks/ab_twentysecond_session_c.json 400 1 ;;
+    # the hand-off's second form: its spec and the kernels it touches (the norm zeroes the
+    # counters), compiled; batch-1 samples off and on; the engine A/B
+    handoff22d) run handoff22d 300 python3 -m pytest -q tests/test_mlp_handoff.py tests/test_split_sum.py \
+              tests/test_fused_ops.py -p no:cacheprovider ;;
+    ab22d) ab_stage ab22d benchmarks/ab_twentysecond_session_d.json 400 1 ;;
     # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
     # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM)
     ab21a) ab_stage ab21a benchmarks/ab_twentyfirst_session.json 560 1 128 ;;

@@ -69,6 +69,9 @@ from rollout.layers.gemv_launch import (  # noqa: F401
 # _gemv_fma_kernel's HANDOFF roles (the one-row MLP, `mlp_handoff`)
 HANDOFF_SIGNAL: tl.constexpr = tl.constexpr(1)
 HANDOFF_AWAIT: tl.constexpr = tl.constexpr(2)
+# int32s between two hand-off counters: one 32-byte sector each (the adds to one address
+# serialize in the L2: ab22a-c's two counters and one done counter lost ~20%)
+HANDOFF_STRIDE: tl.constexpr = tl.constexpr(8)
 # A/B knobs of the hand-off (twenty-second session): a nanosleep between the spin's loads, down
 # letting the next kernel launch after its await instead of before, and (a diagnostic only:
 # not ordered) the signal's add without release
@@ -159,28 +162,42 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def await_count(counter, target, COMPILED: tl.constexpr):
-    """Spin until the int32 at `counter` reaches `target`, then acquire (what its adders wrote
-    before their release-adds is visible after). The spin's loads are relaxed: an acquire load
-    compiles to a strong load plus an invalidation of the SM's whole L1, which stalls the
-    other programs on the SM if issued at every turn."""
-    seen = tl.atomic_add(counter, 0, sem="relaxed", scope="gpu")
-    while seen < target:
+def await_counts(counters, targets, mask, COMPILED: tl.constexpr):
+    """Spin until every int32 at `counters` (where `mask`) reaches its target, then acquire
+    (what their adders wrote before their release-adds is visible after): volatile loads (an
+    atomic read would queue behind the adds to the same address in the L2; an acquire load is
+    a strong load plus an invalidation of the SM's whole L1, which stalls the other programs on
+    the SM if issued at every turn), then one acquire fence."""
+    seen = tl.load(counters, mask=mask, other=0, volatile=True)
+    short = tl.sum((mask & (seen < targets)).to(tl.int32))
+    while short > 0:
         if COMPILED and _HANDOFF_SLEEP_NS > 0:
             tl.inline_asm_elementwise(_HANDOFF_SLEEP_ASM, "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
-        seen = tl.atomic_add(counter, 0, sem="relaxed", scope="gpu")
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while seen < target:  # never taken; uses the acquire's value, which is otherwise dropped
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        seen = tl.load(counters, mask=mask, other=0, volatile=True)
+        short = tl.sum((mask & (seen < targets)).to(tl.int32))
+    if COMPILED:  # the interpreter runs the launches one after the other
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _await_split(Ready, pid_k, K, K_SPLIT, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                 COMPILED: tl.constexpr):
+    """The hand-off's wait of program column pid_k: every x chunk of its K split written (the
+    counter of chunk c, HANDOFF_STRIDE int32s apart, full at its width min(BLOCK_K, K - c·BLOCK_K))."""
+    j = tl.arange(0, CHUNKS)
+    c = pid_k * (K_SPLIT // BLOCK_K) + j
+    mask = (j < K_SPLIT // BLOCK_K) & (c * BLOCK_K < K)
+    await_counts(Ready + c * HANDOFF_STRIDE, tl.minimum(BLOCK_K, K - c * BLOCK_K), mask, COMPILED)
 
 
 @triton.jit
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
                  LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0,
-                 Ready=None, ready_target=0, AWAIT_READY: tl.constexpr = False,
-                 COMPILED: tl.constexpr = False):
+                 Ready=None, pid_k=0, AWAIT_READY: tl.constexpr = False,
+                 COMPILED: tl.constexpr = False, CHUNKS: tl.constexpr = 1):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
@@ -188,9 +205,9 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
     previous kernel finishes; x (its output) only after the wait. The loop after the preloaded
     chunks keeps the next chunk in flight in registers (LOOKAHEAD) or, PIPELINE > 1, runs as
     Triton's software pipeline of PIPELINE stages (the same sums in the same order either way).
-    AWAIT_READY (the one-row MLP's hand-off, `mlp_handoff`): instead of the PDL wait, this
-    program's x range is awaited through the int32 at `Ready` reaching `ready_target`, and the
-    next kernel is let launch first."""
+    AWAIT_READY (the one-row MLP's hand-off, `mlp_handoff`): instead of the PDL wait, the
+    x chunks of this program's K split (pid_k) are awaited through their counters at `Ready`
+    (CHUNKS: at least the chunks of a split), and the next kernel is let launch first."""
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
@@ -201,7 +218,7 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
     elif AWAIT_READY:
         if USE_PDL and not _HANDOFF_TRIGGER_AFTER:
             tl.extra.cuda.gdc_launch_dependents()
-        await_count(Ready, ready_target, COMPILED)
+        _await_split(Ready, pid_k, K, K_SPLIT, BLOCK_K, CHUNKS, COMPILED)
         if USE_PDL and _HANDOFF_TRIGGER_AFTER:
             tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL and _HANDOFF_WAIT == "both":  # diagnostic: the counters, then the PDL wait
@@ -254,12 +271,12 @@ def _gemv_fma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
-    HANDOFF: tl.constexpr = 0,
+    HANDOFF: tl.constexpr = 0, HANDOFF_CHUNKS: tl.constexpr = 1,
 ):
     """HANDOFF (`mlp_handoff`; 0: none): SIGNAL, this program adds the output columns it wrote
-    to the counter of the `ready_span` columns they fall in; AWAIT, its K split's x columns are
-    awaited through the counter of the split (instead of the PDL wait), and the launch's last
-    program to finish zeroes the counters again."""
+    to the counter of the `ready_span` columns (down's K chunk) they fall in; AWAIT, the chunks
+    of its K split are awaited through their counters instead of the PDL wait (the reader of
+    its partials zeroes them: SplitSum.reset)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -271,23 +288,15 @@ def _gemv_fma_kernel(
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
-                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE, Ready + pid_k,
-                               tl.minimum(K_SPLIT, K - pid_k * K_SPLIT), HANDOFF == HANDOFF_AWAIT,
-                               COMPILED)
+                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE, Ready, pid_k,
+                               HANDOFF == HANDOFF_AWAIT, COMPILED, HANDOFF_CHUNKS)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
     if HANDOFF == HANDOFF_SIGNAL:
         tl.debug_barrier()  # every thread's stores before the release
-        tl.atomic_add(Ready + pid_n * BLOCK_N // ready_span,
+        tl.atomic_add(Ready + pid_n * BLOCK_N // ready_span * HANDOFF_STRIDE,
                       tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), sem=_HANDOFF_SIGNAL_SEM,
                       scope="gpu")
-    if HANDOFF == HANDOFF_AWAIT:
-        # every program has seen its counter full before it counts itself done, so the last
-        # one may zero them: the next launch's signals come after this kernel (the PDL chain)
-        done = tl.atomic_add(Ready + SPLIT, 1, sem="relaxed", scope="gpu")
-        if done == tl.num_programs(0) * SPLIT - 1:
-            for s in tl.static_range(SPLIT + 1):
-                tl.store(Ready + s, 0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -412,8 +421,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 class Handoff(NamedTuple):
     """A one-row FMA launch's part in the MLP's gate/up -> down hand-off (`mlp_handoff`)."""
 
-    counters: torch.Tensor  # int32 [down's K splits + 1], zero between hand-offs
-    span: int  # x columns of down a counter stands for (the K range of one of its splits)
+    counters: torch.Tensor  # int32, one per K chunk of down (HANDOFF_STRIDE apart), zero between
+    span: int  # x columns of down a counter stands for (its K chunk, Config.block_k)
     role: int  # HANDOFF_SIGNAL (gate/up) or HANDOFF_AWAIT (down)
 
 
@@ -451,9 +460,11 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
             raise ValueError("the FMA kernel's loop takes lookahead or pipeline, not both")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
         ready, span, role = handoff if handoff is not None else (out, 1, 0)
+        chunks = triton.next_power_of_2(k_split // cfg.block_k)
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
             *args, ready, span, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, HANDOFF=role, **meta)
+            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, HANDOFF=role,
+            HANDOFF_CHUNKS=chunks if role == HANDOFF_AWAIT.value else 1, **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 
