@@ -400,8 +400,8 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # twenty-second session: the one-row MLP's gate/up -> down hand-off (rollout/layers/
-    # mlp_handoff.py): its spec and the kernels it changed, compiled; batch-1 samples with it off
-    # and on (the same bits expected); the engine A/B
+    # mlp_handoff.py, commits d49ca97..dae5377, reverted: they need that tree): its spec and the
+    # kernels it changed, compiled; batch-1 samples with it off and on (the same bits); the A/Bs
     handoff22) run handoff22 300 python3 -m pytest -q tests/test_mlp_handoff.py tests/test_triton_gemv.py \
               tests/test_triton_qkv_rope.py -p no:cacheprovider ;;
     parity22) run parity22 240 bash -c 'ROLLOUT_MLP_HANDOFF=0 python3 benchmarks/sample_dump.py --batch 1 \

@@ -25,10 +25,6 @@ class SplitSum:
     partials: torch.Tensor
     out: torch.Tensor
     bias: Optional[torch.Tensor] = None  # [N], added to the sum before the rounding
-    # counters the reader zeroes once it has read the partials (the one-row MLP's hand-off,
-    # `mlp_handoff.HandoffCounters`: `.tensor`, int32 of a power-of-two size, and
-    # `.mark_zeroed()`, called once the zeroing is queued)
-    reset: Optional[object] = None
 
     def __post_init__(self):
         p = self.partials
@@ -59,7 +55,4 @@ class SplitSum:
         """`out`, the partials summed into it by triton_gemv's reduce kernel."""
         from rollout.layers import triton_gemv  # lazily: a SplitSum only comes from there
         triton_gemv.reduce_split(self.partials, self.bias, self.out, False, self.splits)
-        if self.reset is not None:
-            self.reset.tensor.zero_()
-            self.reset.mark_zeroed()
         return self.out

@@ -47,8 +47,7 @@ in triton_ops.silu_and_mul (libdevice expf, IEEE division, no FMA contraction).
 from __future__ import annotations
 
 import functools
-import os
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -66,25 +65,6 @@ from rollout.layers.gemv_launch import (  # noqa: F401
 
 
 # ---- kernels ------------------------------------------------------------------------------------
-# _gemv_fma_kernel's HANDOFF roles (the one-row MLP, `mlp_handoff`)
-HANDOFF_SIGNAL: tl.constexpr = tl.constexpr(1)
-HANDOFF_AWAIT: tl.constexpr = tl.constexpr(2)
-# int32s between two hand-off counters: one 32-byte sector each (the adds to one address
-# serialize in the L2: ab22a-c's two counters and one done counter lost ~20%)
-HANDOFF_STRIDE: tl.constexpr = tl.constexpr(8)
-# A/B knobs of the hand-off (twenty-second session): a nanosleep between the spin's loads, down
-# letting the next kernel launch after its await instead of before, and (a diagnostic only:
-# not ordered) the signal's add without release
-_HANDOFF_SLEEP_NS: tl.constexpr = tl.constexpr(int(os.environ.get("ROLLOUT_MLP_HANDOFF_SLEEP_NS", "0")))
-_HANDOFF_SLEEP_ASM: tl.constexpr = tl.constexpr(
-    f"nanosleep.u32 {_HANDOFF_SLEEP_NS.value}; mov.u32 $0, 0;")
-_HANDOFF_TRIGGER_AFTER: tl.constexpr = tl.constexpr(
-    os.environ.get("ROLLOUT_MLP_HANDOFF_TRIGGER", "before") == "after")
-_HANDOFF_WAIT: tl.constexpr = tl.constexpr(os.environ.get("ROLLOUT_MLP_HANDOFF_WAIT", "counters"))
-_HANDOFF_SIGNAL_SEM: tl.constexpr = tl.constexpr(
-    os.environ.get("ROLLOUT_MLP_HANDOFF_SIGNAL_SEM", "release"))
-
-
 @triton.jit
 def _silu_mul(gate, up, dt: tl.constexpr, COMPILED: tl.constexpr):
     """silu(gate).to(dt) * up, rounded, for fp32 gate/up already rounded to dt (as silu_and_mul)."""
@@ -162,69 +142,22 @@ def _fma_x(x_ptr, offs_k, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def await_counts(counters, targets, mask, COMPILED: tl.constexpr):
-    """Spin until every int32 at `counters` (where `mask`) reaches its target, then acquire
-    (what their adders wrote before their release-adds is visible after): volatile loads (an
-    atomic read would queue behind the adds to the same address in the L2; an acquire load is
-    a strong load plus an invalidation of the SM's whole L1, which stalls the other programs on
-    the SM if issued at every turn), then one acquire fence."""
-    seen = tl.load(counters, mask=mask, other=0, volatile=True)
-    short = tl.sum((mask & (seen < targets)).to(tl.int32))
-    while short > 0:
-        if COMPILED and _HANDOFF_SLEEP_NS > 0:
-            tl.inline_asm_elementwise(_HANDOFF_SLEEP_ASM, "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        seen = tl.load(counters, mask=mask, other=0, volatile=True)
-        short = tl.sum((mask & (seen < targets)).to(tl.int32))
-    if COMPILED:  # the interpreter runs the launches one after the other
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _await_split(Ready, pid_k, K, K_SPLIT, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                 COMPILED: tl.constexpr):
-    """The hand-off's wait of program column pid_k: every x chunk of its K split written (the
-    counter of chunk c, HANDOFF_STRIDE int32s apart, full at its width min(BLOCK_K, K - c·BLOCK_K))."""
-    j = tl.arange(0, CHUNKS)
-    c = pid_k * (K_SPLIT // BLOCK_K) + j
-    mask = (j < K_SPLIT // BLOCK_K) & (c * BLOCK_K < K)
-    await_counts(Ready + c * HANDOFF_STRIDE, tl.minimum(BLOCK_K, K - c * BLOCK_K), mask, COMPILED)
-
-
-@triton.jit
 def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
-                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0,
-                 Ready=None, pid_k=0, AWAIT_READY: tl.constexpr = False,
-                 COMPILED: tl.constexpr = False, CHUNKS: tl.constexpr = 1):
+                 LOOKAHEAD: tl.constexpr, USE_PDL: tl.constexpr, PIPELINE: tl.constexpr = 0):
     """The FMA kernel's K loop: the [BLOCK_M, BLOCK_N] sums of x·w over this program's K range
     (and of x·w_up when GATED, else zeros), for x_ptr [BM, 1, BK] and w_ptr / wu_ptr [1, BN, BK]
     pointer blocks. Waits for the previous kernel (PDL) after loading the first PRELOAD chunks of
     the weight: the weights are no earlier kernel's output, so under PDL they stream in while the
     previous kernel finishes; x (its output) only after the wait. The loop after the preloaded
     chunks keeps the next chunk in flight in registers (LOOKAHEAD) or, PIPELINE > 1, runs as
-    Triton's software pipeline of PIPELINE stages (the same sums in the same order either way).
-    AWAIT_READY (the one-row MLP's hand-off, `mlp_handoff`): instead of the PDL wait, the
-    x chunks of this program's K split (pid_k) are awaited through their counters at `Ready`
-    (CHUNKS: at least the chunks of a split), and the next kernel is let launch first."""
+    Triton's software pipeline of PIPELINE stages (the same sums in the same order either way)."""
     w, w_up = _fma_weights(w_ptr, wu_ptr, offs_k, 0, K, EVEN_K, GATED)
     if PRELOAD >= 2:
         w1, w1_up = _fma_weights(w_ptr, wu_ptr, offs_k, BLOCK_K, K, EVEN_K, GATED)
     if PRELOAD >= 3:
         w2, w2_up = _fma_weights(w_ptr, wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K, GATED)
-    if AWAIT_READY and _HANDOFF_WAIT == "pdl":  # diagnostic: the PDL wait, the counters unread
-        pdl_wait(USE_PDL)
-    elif AWAIT_READY:
-        if USE_PDL and not _HANDOFF_TRIGGER_AFTER:
-            tl.extra.cuda.gdc_launch_dependents()
-        _await_split(Ready, pid_k, K, K_SPLIT, BLOCK_K, CHUNKS, COMPILED)
-        if USE_PDL and _HANDOFF_TRIGGER_AFTER:
-            tl.extra.cuda.gdc_launch_dependents()
-        if USE_PDL and _HANDOFF_WAIT == "both":  # diagnostic: the counters, then the PDL wait
-            tl.extra.cuda.gdc_wait()
-    else:
-        pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     start = PRELOAD * BLOCK_K
     if LOOKAHEAD:  # the loop's first chunk goes out now, before the preloaded ones are used
         w_next, wu_next = _fma_weights_ahead(w_ptr, wu_ptr, offs_k, start, K, K_SPLIT, EVEN_K,
@@ -267,16 +200,11 @@ def fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K: tl.constexpr
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a config
 def _gemv_fma_kernel(
-    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym, Ready, ready_span,
+    X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
     PRELOAD: tl.constexpr, LOOKAHEAD: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
-    HANDOFF: tl.constexpr = 0, HANDOFF_CHUNKS: tl.constexpr = 1,
 ):
-    """HANDOFF (`mlp_handoff`; 0: none): SIGNAL, this program adds the output columns it wrote
-    to the counter of the `ready_span` columns (down's K chunk) they fall in; AWAIT, the chunks
-    of its K split are awaited through their counters instead of the PDL wait (the reader of
-    its partials zeroes them: SplitSum.reset)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,15 +216,9 @@ def _gemv_fma_kernel(
     w_ptr = W + rows_n[None, :, None] * K + offs_k[None, None, :]  # [1, BN, BK]
     wu_ptr = W_UP + rows_n[None, :, None] * K + offs_k[None, None, :]  # gated: the up half
     acc, acc_up = fma_row_sums(x_ptr, w_ptr, wu_ptr, offs_k, K, K_SPLIT, BLOCK_K, EVEN_K, GATED,
-                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE, Ready, pid_k,
-                               HANDOFF == HANDOFF_AWAIT, COMPILED, HANDOFF_CHUNKS)
+                               PRELOAD, LOOKAHEAD, USE_PDL, PIPELINE)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k, HAS_BIAS, GATED,
               SPLIT, COMPILED)
-    if HANDOFF == HANDOFF_SIGNAL:
-        tl.debug_barrier()  # every thread's stores before the release
-        tl.atomic_add(Ready + pid_n * BLOCK_N // ready_span * HANDOFF_STRIDE,
-                      tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), sem=_HANDOFF_SIGNAL_SEM,
-                      scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -418,17 +340,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x must be contiguous in its last dim and the weight contiguous")
 
 
-class Handoff(NamedTuple):
-    """A one-row FMA launch's part in the MLP's gate/up -> down hand-off (`mlp_handoff`)."""
-
-    counters: torch.Tensor  # int32, one per K chunk of down (HANDOFF_STRIDE apart), zero between
-    span: int  # x columns of down a counter stands for (its K chunk, Config.block_k)
-    role: int  # HANDOFF_SIGNAL (gate/up) or HANDOFF_AWAIT (down)
-
-
 def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
-            defer_split: bool = False, handoff: Optional[Handoff] = None,
-            partials: Optional[torch.Tensor] = None) -> Union[torch.Tensor, SplitSum]:
+            defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
@@ -436,8 +349,7 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)
     split, k_split = split_k_range(K, cfg)
-    if partials is None:
-        partials = split_partials(M, N, gated, split, out)
+    partials = split_partials(M, N, gated, split, out)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     w_up = weight[N:] if gated else weight  # the up half's rows
@@ -459,12 +371,9 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
         if cfg.pipeline > 1 and cfg.lookahead:
             raise ValueError("the FMA kernel's loop takes lookahead or pipeline, not both")
         preload = max(1, min(cfg.preload, k_split // cfg.block_k))  # no more than a split has
-        ready, span, role = handoff if handoff is not None else (out, 1, 0)
-        chunks = triton.next_power_of_2(k_split // cfg.block_k)
         _gemv_fma_kernel[(triton.cdiv(N, cfg.block_n), split)](
-            *args, ready, span, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
-            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, HANDOFF=role,
-            HANDOFF_CHUNKS=chunks if role == HANDOFF_AWAIT.value else 1, **meta)
+            *args, BLOCK_M=triton.next_power_of_2(M), PRELOAD=preload,
+            LOOKAHEAD=bool(cfg.lookahead), PIPELINE=cfg.pipeline, **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
 

@@ -85,9 +85,9 @@ def _round(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut, eps, inv_n,
-    stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER, stride_split, Reset,
+    stride_x0, stride_x1, stride_r, stride_o0, stride_o1, INNER, stride_split,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-    COMPILED: tl.constexpr, USE_PDL: tl.constexpr, RESET_N: tl.constexpr = 0,
+    COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # rows are [outer, inner] pairs (inner: a head, or 1)
     outer, inner = row // INNER, row % INNER
@@ -104,10 +104,6 @@ def _rms_norm_kernel(
         for s in tl.static_range(SPLIT):
             acc += tl.load(x_ptr + s * stride_split, mask=mask, other=0.0)
         x = _round(acc, dt, COMPILED)
-        if RESET_N > 0:  # the partials' SplitSum.reset: zeroed once its writer has completed
-            if row == 0:
-                slots = tl.arange(0, RESET_N)
-                tl.store(Reset + slots, tl.zeros_like(slots))
     else:
         x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to the input dtype, and the norm reads the rounded sum
@@ -134,10 +130,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(1)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, residual_out, splits: int = 1,
-                     reset: Optional[torch.Tensor] = None) -> None:
-    """x: [rows, n] or [rows, heads, n]; or, with splits > 1, fp32 partials [splits, rows, n]
-    (and `reset`, int32 counters of a power-of-two size to zero: SplitSum.reset)."""
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out, splits: int = 1) -> None:
+    """x: [rows, n] or [rows, heads, n]; or, with splits > 1, fp32 partials [splits, rows, n]."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit rows of {n}")
@@ -158,9 +152,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, splits: int = 
     _rms_norm_kernel[(programs,)](
         x3, residual if has_res else x3, weight, o3, residual_out if has_res else o3,
         eps, 1.0 / n, stride_x0, stride_x1, residual.stride(0) if has_res else 0,
-        o3.stride(0), o3.stride(1), o3.shape[1], stride_split, reset if reset is not None else x3,
+        o3.stride(0), o3.stride(1), o3.shape[1], stride_split,
         N=n, BLOCK=block, HAS_RESIDUAL=has_res, SPLIT=splits, COMPILED=_COMPILED,
-        RESET_N=reset.numel() if reset is not None else 0,
         num_warps=_norm_warps(block, programs), enable_fp_fusion=False, **launch_options())
 
 
@@ -194,8 +187,7 @@ def split_add_rms_norm(x: SplitSum, residual: torch.Tensor, weight: torch.Tensor
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm of a GEMM output still in split-K partials: the kernel sums them as
     the reduce kernel would (split order, rounded once to the residual's dtype) before the add,
-    so the results are those of fused_add_rms_norm(x.tensor(), ...) bit for bit. It zeroes
-    x.reset's counters too (after its wait: the partials' writer has completed)."""
+    so the results are those of fused_add_rms_norm(x.tensor(), ...) bit for bit."""
     if residual.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"partials of {tuple(x.shape)} {x.dtype} and residual "
                          f"{tuple(residual.shape)} {residual.dtype} must be [rows, n] of one dtype")
@@ -206,10 +198,7 @@ def split_add_rms_norm(x: SplitSum, residual: torch.Tensor, weight: torch.Tensor
     new_residual = torch.empty(residual.shape, dtype=x.dtype, device=residual.device)
     out = torch.empty(residual.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=residual.device)
-    _launch_rms_norm(x.partials, residual, weight, eps, out, new_residual, splits=x.splits,
-                     reset=x.reset.tensor if x.reset is not None else None)
-    if x.reset is not None:
-        x.reset.mark_zeroed()
+    _launch_rms_norm(x.partials, residual, weight, eps, out, new_residual, splits=x.splits)
     return out, new_residual
 
 

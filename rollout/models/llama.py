@@ -12,7 +12,6 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
 from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
-from rollout.layers import mlp_handoff
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    use_skinny)
@@ -116,15 +115,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
-        self.handoff = mlp_handoff.HandoffCounters()  # one row: gate/up -> down (mlp_handoff)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, SplitSum]:
         """On CUDA the output may be down's split-K partials, summed by the next RMSNorm."""
         if x.is_cuda:
-            if self.down_proj.tp.size == 1 and mlp_handoff.applies(
-                    x, self.gate_up_proj.weight, self.down_proj.weight):
-                return mlp_handoff.one_row_mlp(x, self.gate_up_proj.weight,
-                                               self.down_proj.weight, self.handoff)
             return self.down_proj(self.activation_cuda(x), defer_split=True)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
