@@ -417,6 +417,7 @@ for stage in "$@"; do
     handoff22d) run handoff22d 300 python3 -m pytest -q tests/test_mlp_handoff.py tests/test_split_sum.py \
               tests/test_fused_ops.py -p no:cacheprovider ;;
     ab22d) ab_stage ab22d benchmarks/ab_twentysecond_session_d.json 400 1 ;;
+    ab22e) ab_stage ab22e benchmarks/ab_twentysecond_session_e.json 270 1 ;;
     # twenty-first session: weights kept in the L2 across decode steps (commit 8929065, reverted:
     # its l2_residency module read ROLLOUT_L2_RESIDENT_MB / _KINDS / ROLLOUT_L2_STREAM)
     ab21a) ab_stage ab21a benchmarks/ab_twentyfirst_session.json 560 1 128 ;;
