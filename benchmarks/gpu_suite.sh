@@ -399,6 +399,12 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # twenty-third session: the decode attention a program per query head (decode_head.py):
+    # the GPU specs of the attention kernels, the kernels alone, the engine A/B at batch 1
+    attn23) run attn23 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -p no:cacheprovider ;;
+    attn23b) run attn23b 240 python3 benchmarks/gpu_attention.py --batches 1 8 32 128 --configs 8,32,4,2,1 \
+              1,256,16,2,1,1 1,256,8,2,1,1 1,128,8,2,1,1 1,256,32,2,1,1 --out "$OUT/attn23b.json" ;;
+    ab23a) ab_stage ab23a benchmarks/ab_twentythird_session.json 330 1 ;;
     # twenty-second session: the one-row MLP's gate/up -> down hand-off (rollout/layers/
     # mlp_handoff.py, commits d49ca97..dae5377, reverted: they need that tree): its spec and the
     # kernels it changed, compiled; batch-1 samples with it off and on (the same bits); the A/Bs

@@ -103,13 +103,16 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
 @pytest.mark.parametrize("config", [
     decode.DecodeConfig(8, num_stages=2), decode.DecodeConfig(8, num_stages=3),
     decode.DecodeConfig(8, num_stages=2, preload_kv=True),
-    decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)])
+    decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True),
+    decode.DecodeConfig(1, block_n=256, num_warps=16, num_stages=2, per_head=True),
+    decode.DecodeConfig(1, block_n=64, num_warps=4, num_stages=2, per_head=True)])
 def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, config):
     """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
     into its KV slot (poisoned before every replay), the decode kernel reads the step's lengths
     and request rows (and with `preload_kv` the earlier keys and values of its first block)
     before its PDL wait and the cache after it. Every replay gives the bits of the same kernels
-    launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits or one)."""
+    launched without PDL (bf16, 128 requests of 1-300 keys, 8 splits or one, or a program a
+    query head over one or several blocks of keys)."""
     from rollout import triton_pdl
     from rollout.layers import triton_ops
     if torch.cuda.get_device_capability() < (9, 0):
@@ -170,6 +173,22 @@ def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv):
                          0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV), config=cfg)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("block_n", [16, 64])  # 16: the longer contexts take several blocks
+def test_decode_per_head_kernel_matches_reference(head_dim, block_n):
+    """One program per (request, query head) over all keys (decode_head.py): plain softmax
+    attention for ragged contexts of 1-40 keys, GQA groups of 2, a padded head dim."""
+    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=head_dim)
+    q = torch.randn(len(SEQ_LENS), 4, head_dim, device=DEV)
+    scale = head_dim ** -0.5
+    cfg = decode.DecodeConfig(1, block_n=block_n, num_warps=4, num_stages=2, per_head=True)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
+                     scale, config=cfg, out=out)
+    expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
+    assert (out - expected).abs().max().item() <= 1e-4
+
+
 def test_decode_launch_table_from_the_environment(monkeypatch):
     """ROLLOUT_DECODE_ATTN_CONFIGS replaces the built-in table (splits capped by the scratch);
     a malformed one is refused with the entry named."""
@@ -187,8 +206,12 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     table = decode.launch_table_from_env()
     assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(8, 32, 4, 2, True)
     assert decode.decode_launch_config(128, table=table).preload_kv is False
+    monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "1:1,256,16,2,1,1;256:1,128,4,2,1")
+    table = decode.launch_table_from_env()
+    assert decode.decode_launch_config(1, table=table).per_head is True
+    assert decode.decode_launch_config(2, table=table).per_head is False
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
-                "16:8,32,4,2,1,1"):
+                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,1"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
         with pytest.raises(ValueError, match="decode attention config"):
             decode.launch_table_from_env()

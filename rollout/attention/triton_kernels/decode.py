@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
+from rollout.attention.triton_kernels.decode_head import decode_attention_per_head
 from rollout.triton_pdl import launch_options, pdl_wait
 
 BLOCK_N = 32  # keys per inner step (default)
@@ -34,6 +35,8 @@ class DecodeConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     preload_kv: bool = False
+    per_head: bool = False  # decode_head.py's kernel: one program per (request, query head) over
+    # all keys, no splits and no merge (`splits` unused); its first block always preloads
 
 
 @triton.jit
@@ -194,10 +197,10 @@ def parse_launch_table(spec: str) -> LaunchTable:
         try:
             edge, values = entry.split(":")
             values = [int(v) for v in values.split(",")]
-            if not len(DecodeConfig._fields) - 1 <= len(values) <= len(DecodeConfig._fields):
+            if not 4 <= len(values) <= len(DecodeConfig._fields):
                 raise ValueError(f"{len(values)} values")
-            if len(values) == len(DecodeConfig._fields) and values[-1] not in (0, 1):
-                raise ValueError("preload_kv is 0 or 1")
+            if any(flag not in (0, 1) for flag in values[4:]):
+                raise ValueError("preload_kv and per_head are 0 or 1")
             cfg, edge = DecodeConfig(*values[:4], *map(bool, values[4:])), int(edge)
         except (ValueError, TypeError) as e:
             raise ValueError(f"decode attention config {entry!r}: want "
@@ -275,11 +278,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
+    block_d = block_dmodel(head_dim)
+    if config.per_head:  # one kernel over all keys: no scratch, no merge
+        return decode_attention_per_head(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, out, group,
+            block_d, config.block_n, config.num_warps, config.num_stages)
     num_splits = config.splits
     part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
-    block_d = block_dmodel(head_dim)
     # one split: the kernel normalises and writes the output itself (what the merge of a single
     # split computes, bit for bit), one kernel instead of two
     direct = num_splits == 1
