@@ -1,7 +1,8 @@
 """GPU checks of one call (device tool), JSON to --out:
 
 1. Triton + CUDA-graph engine vs torch_native eager engine, Qwen2-1.5B shape: greedy tokens
-   of 8 ragged prompts for 16 steps, and the number of graph replays (the graph path is taken).
+   of 8 ragged prompts for 16 steps, and the number of graph replays (the graph path is taken);
+   also each prompt alone through the Triton engine (its batch-1 graph) against the same tokens.
 2. TP=2 (RolloutController on both GPUs) vs TP=1 (one GPU): the same greedy tokens, max |Δ| of
    prefill logits, and decode tokens/s of both (batch 32, 128 new tokens).
 3. With --flashinfer: the FlashInfer engine vs the Triton engine (greedy tokens, 16 steps).
@@ -89,6 +90,12 @@ def main() -> None:
     logits_fast, logits_ref = fast.prefill_logits(prompts), ref.prefill_logits(prompts)
     result["triton_graph_vs_torch_native"]["prefill_rel_err"] = float(
         (logits_fast - logits_ref).norm() / logits_ref.norm())
+    # each prompt alone: the batch-1 graph (its own attention kernel, decode_launch_config)
+    replays = fast.runner.graph_runner.num_replays
+    alone = [greedy(fast, [prompt])[0] for prompt in prompts]
+    result["triton_graph_one_request_vs_torch_native"] = {
+        **agreement(alone, ref_tokens),
+        "graph_replays": fast.runner.graph_runner.num_replays - replays}
     tp1_tokens, tp1_logits = fast_tokens, logits_fast
     tp1_tps = throughput(fast, spec.vocab_size)
     print(json.dumps(result, indent=1), flush=True)

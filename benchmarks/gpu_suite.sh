@@ -405,6 +405,12 @@ for stage in "$@"; do
     attn23b) run attn23b 240 python3 benchmarks/gpu_attention.py --batches 1 8 32 128 --configs 8,32,4,2,1 \
               1,256,16,2,1,1 1,256,8,2,1,1 1,128,8,2,1,1 1,256,32,2,1,1 --out "$OUT/attn23b.json" ;;
     ab23a) ab_stage ab23a benchmarks/ab_twentythird_session.json 330 1 ;;
+    # with it the batch-1 default: greedy parity (each prompt alone too: the batch-1 graph), bf16
+    # and float32; batch 1 at long contexts against the split + merge
+    parity23) run parity23 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --out $OUT/parity23.json \
+              && python3 benchmarks/gpu_parity.py --skip-tp --dtype float32 --out $OUT/parity23_fp32.json' ;;
+    attn23c) run attn23c 150 python3 benchmarks/gpu_attention.py --batches 1 --keys 2048 4096 \
+              --configs 8,32,4,2,1 1,128,8,2,1,1 --out "$OUT/attn23c.json" ;;
     # twenty-second session: the one-row MLP's gate/up -> down hand-off (rollout/layers/
     # mlp_handoff.py, commits d49ca97..dae5377, reverted: they need that tree): its spec and the
     # kernels it changed, compiled; batch-1 samples with it off and on (the same bits); the A/Bs

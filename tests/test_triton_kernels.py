@@ -194,7 +194,8 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     a malformed one is refused with the entry named."""
     monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
     assert decode.launch_table_from_env() is None
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(1, 256, 8, 2, True, True)
+    assert decode.decode_launch_config(2) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     table = decode.launch_table_from_env()
     assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(4, 64, 4, 2)
@@ -289,7 +290,12 @@ def test_extend_packed_rows_equal_the_unpacked_kernels(dtype):
     outs = [extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
                              int(ext.max()), 32 ** -0.5, config=ExtendConfig(16, 16, 4, 2, packed))
             for packed in (False, True)]
-    assert torch.equal(outs[0], outs[1])
+    if dtype == torch.float32 and DEV.type == "cpu":
+        # the interpreter's tl.dot is numpy's matmul, whose BLAS may order a 16-row and a
+        # 48-row product's sums differently on some CPUs (OpenBLAS picks its kernels by CPU)
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-6
+    else:
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_extend_packed_config_under_16_rows_is_refused():

@@ -243,10 +243,19 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     right after the wait, lost at batch 128 (decode graph 1.8346 -> 2.2625 ms: its keys and
     values held across the loop spill registers), and so did the first block's slots alone
     before the wait (32: 1.5538 -> 1.5677; 128: 1.9205) and, again, the keys and values
-    preloaded at 17-64 requests (batch 32 1.5339 -> 1.5428 with 2 warps, 1.5422 with 4)."""
+    preloaded at 17-64 requests (batch 32 1.5339 -> 1.5428 with 2 warps, 1.5422 with 4).
+    Twenty-third session: at one request a program per query head over all keys (decode_head.py,
+    256 keys a block, 8 warps; no merge kernel): batch-1 decode graph 1.0056 -> 0.9997 ms, 973 ->
+    984 tok/s (`benchmarks/ab_twentythird_session.json`; 16 warps 1.0096). Alone it measures
+    3.83 µs against the split + merge's 3.60 (`gpu_attention.py`): under PDL its keys are in
+    registers when the wait returns and one kernel fewer is on the chain. At 8 requests alone
+    4.87 vs 4.29, at 32 15.9 vs 5.9: batch 1 only."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
+    if batch == 1:
+        return DecodeConfig(1, block_n=256, num_warps=8, num_stages=2, preload_kv=True,
+                            per_head=True)
     if batch <= 16:
         return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
     if batch <= 64:
