@@ -405,6 +405,14 @@ for stage in "$@"; do
     attn23b) run attn23b 240 python3 benchmarks/gpu_attention.py --batches 1 8 32 128 --configs 8,32,4,2,1 \
               1,256,16,2,1,1 1,256,8,2,1,1 1,128,8,2,1,1 1,256,32,2,1,1 --out "$OUT/attn23b.json" ;;
     ab23a) ab_stage ab23a benchmarks/ab_twentythird_session.json 330 1 ;;
+    # the per-head kernel with its long-context splits (merged by the last to arrive): alone at
+    # batch 1 (short and long contexts) and 8, and the engine A/B at batch 1 against split + merge
+    attn23d) run attn23d 200 bash -c 'python3 benchmarks/gpu_attention.py --batches 1 8 --configs 8,32,4,2,1 \
+              8,256,8,2,1,1 --out $OUT/attn23d_short.json && python3 benchmarks/gpu_attention.py --batches 1 \
+              --keys 2048 4096 --configs 8,32,4,2,1 8,256,8,2,1,1 8,128,8,2,1,1 --out $OUT/attn23d_long.json \
+              && python3 benchmarks/gpu_attention.py --batches 1 --keys 300 1000 --configs 8,32,4,2,1 \
+              --out $OUT/attn23d_mid.json' ;;
+    ab23b) ab_stage ab23b benchmarks/ab_twentythird_session_b.json 240 1 ;;
     # with it the batch-1 default: greedy parity (each prompt alone too: the batch-1 graph), bf16
     # and float32; batch 1 at long contexts against the split + merge
     parity23) run parity23 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --out $OUT/parity23.json \

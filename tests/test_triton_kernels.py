@@ -88,8 +88,9 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     outs = []
     for preload_kv in (False, True):  # the first block's earlier keys loaded before the wait
         # NaN scratch: the splits a short sequence leaves empty must not leak into the result
-        scratch = [t.fill_(float("nan")) for t in decode.decode_buffers(
-            len(SEQ_LENS), 4, head_dim, num_splits, DEV)]
+        scratch = decode.decode_buffers(len(SEQ_LENS), 4, head_dim, num_splits, DEV)
+        scratch.part_o.fill_(float("nan"))
+        scratch.part_lse.fill_(float("nan"))
         outs.append(decode_attention(q, p.k, p.v, p.req_to_token, p.rows,
                                      torch.tensor(SEQ_LENS, device=DEV), scale,
                                      decode.DecodeConfig(num_splits, preload_kv=preload_kv),
@@ -104,7 +105,8 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     decode.DecodeConfig(8, num_stages=2), decode.DecodeConfig(8, num_stages=3),
     decode.DecodeConfig(8, num_stages=2, preload_kv=True),
     decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True),
-    decode.DecodeConfig(1, block_n=256, num_warps=16, num_stages=2, per_head=True),
+    decode.DecodeConfig(8, block_n=256, num_warps=8, num_stages=2, per_head=True),
+    decode.DecodeConfig(8, block_n=64, num_warps=4, num_stages=2, per_head=True),
     decode.DecodeConfig(1, block_n=64, num_warps=4, num_stages=2, per_head=True)])
 def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, config):
     """In a CUDA graph, under PDL: the rotary kernel writes each request's new key and value
@@ -174,19 +176,45 @@ def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv):
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
-@pytest.mark.parametrize("block_n", [16, 64])  # 16: the longer contexts take several blocks
-def test_decode_per_head_kernel_matches_reference(head_dim, block_n):
-    """One program per (request, query head) over all keys (decode_head.py): plain softmax
-    attention for ragged contexts of 1-40 keys, GQA groups of 2, a padded head dim."""
-    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=head_dim)
-    q = torch.randn(len(SEQ_LENS), 4, head_dim, device=DEV)
+@pytest.mark.parametrize("block_n,splits", [(64, 8), (16, 1), (16, 3), (16, 8)])
+def test_decode_per_head_kernel_matches_reference(head_dim, block_n, splits):
+    """One program per (request, query head, split) (decode_head.py): plain softmax attention
+    for ragged contexts of 1-40 keys, GQA groups of 2, a padded head dim. At 64 keys a block
+    every context is short (the first split alone, the others exit); at 16 the longer ones are
+    split and merged by the last split to arrive (at 8 splits of an 18-key context the last
+    ones are empty), or with one split run block by block. The merge leaves the arrival counters 0, so a second
+    call (here on other queries) starts from a clean slate; NaN scratch never leaks."""
+    lens = [1, 40, 18, 33, 5]
+    p = make_paged(lens, [n - 1 for n in lens], kv_heads=2, head_dim=head_dim)
     scale = head_dim ** -0.5
-    cfg = decode.DecodeConfig(1, block_n=block_n, num_warps=4, num_stages=2, per_head=True)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
-                     scale, config=cfg, out=out)
-    expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(SEQ_LENS))])
-    assert (out - expected).abs().max().item() <= 1e-4
+    cfg = decode.DecodeConfig(splits, block_n=block_n, num_warps=4, num_stages=2, per_head=True)
+    scratch = decode.decode_buffers(len(lens), 4, head_dim, 8, DEV)
+    scratch.part_o.fill_(float("nan"))
+    scratch.part_lse.fill_(float("nan"))
+    for seed in (0, 1):
+        q = torch.randn(len(lens), 4, head_dim, device=DEV,
+                        generator=torch.Generator(DEV).manual_seed(seed))
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(lens, device=DEV),
+                         scale, config=cfg, buffers=scratch, out=out)
+        expected = torch.cat([reference(q[b:b + 1], p, b, scale) for b in range(len(lens))])
+        assert (out - expected).abs().max().item() <= 1e-4
+        assert not scratch.arrivals.any()
+
+
+def test_decode_scratch_too_small_is_refused():
+    """Scratch with fewer splits, requests or heads than the launch needs: a ValueError before
+    any launch."""
+    p = make_paged(SEQ_LENS, [n - 1 for n in SEQ_LENS], kv_heads=2, head_dim=16)
+    q = torch.randn(len(SEQ_LENS), 4, 16, device=DEV)
+    lens = torch.tensor(SEQ_LENS, device=DEV)
+    cfg = decode.DecodeConfig(4, block_n=16, per_head=True)
+    for bad, match in ((decode.decode_buffers(len(SEQ_LENS), 4, 16, 2, DEV), "splits"),
+                       (decode.decode_buffers(len(SEQ_LENS) - 1, 4, 16, 8, DEV), "arrival"),
+                       (decode.decode_buffers(len(SEQ_LENS), 2, 16, 8, DEV), "arrival")):
+        with pytest.raises(ValueError, match=match):
+            decode_attention(q, p.k, p.v, p.req_to_token, p.rows, lens, 0.25, config=cfg,
+                             buffers=bad)
 
 
 def test_decode_launch_table_from_the_environment(monkeypatch):
@@ -194,7 +222,7 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     a malformed one is refused with the entry named."""
     monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
     assert decode.launch_table_from_env() is None
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(1, 256, 8, 2, True, True)
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, 256, 8, 2, True, True)
     assert decode.decode_launch_config(2) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     table = decode.launch_table_from_env()

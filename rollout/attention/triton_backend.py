@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention, decode_buffers,
-                                                      decode_launch_config, launch_table_from_env)
+from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeScratch, decode_attention,
+                                                      decode_buffers, decode_launch_config,
+                                                      launch_table_from_env)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -26,8 +27,7 @@ if TYPE_CHECKING:
 class DecodeMetadata:
     req_pool_indices: torch.Tensor  # [bs] request row of each query
     seq_lens: torch.Tensor  # [bs] keys per request, the new token included
-    part_o: torch.Tensor  # [bs, heads, splits, head_dim] fp32 scratch, shared by all layers
-    part_lse: torch.Tensor  # [bs, heads, splits] fp32 scratch
+    scratch: DecodeScratch  # the splits' partials and arrival counters, shared by all layers
 
 
 @dataclass
@@ -54,14 +54,14 @@ class TritonBackend(AttentionBackend):
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
         self.launch_table = launch_table_from_env()  # None: decode_launch_config's own
         self.meta: DecodeMetadata | ExtendMetadata | None = None
-        self.graph_scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # for max_bs
+        self.graph_scratch: Optional[DecodeScratch] = None  # for max_bs
 
     # ---- per-batch metadata ---------------------------------------------------------------
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode:
-            bufs = decode_buffers(fb.batch_size, self.num_heads, self.head_dim, self.num_kv_splits,
-                                  self.device)
-            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, *bufs)
+            scratch = decode_buffers(fb.batch_size, self.num_heads, self.head_dim,
+                                     self.num_kv_splits, self.device)
+            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch)
         else:
             self.meta = self._extend_metadata(fb)
 
@@ -88,7 +88,7 @@ class TritonBackend(AttentionBackend):
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.seq_lens, layer.scaling,
-            buffers=(m.part_o, m.part_lse), config=self.decode_config(q.shape[0]))
+            buffers=m.scratch, config=self.decode_config(q.shape[0]))
 
     def decode_config(self, batch: int) -> DecodeConfig:
         """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA
@@ -99,7 +99,8 @@ class TritonBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode only) ----------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        """The split scratch for graphs of up to `max_bs` requests; a graph of size bs uses [:bs]."""
+        """The split scratch for graphs of up to `max_bs` requests; a graph of size bs uses [:bs]
+        (its arrival counters too: only one graph replays at a time)."""
         self.graph_scratch = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits,
                                             self.device)
 
@@ -112,9 +113,9 @@ class TritonBackend(AttentionBackend):
         plus the graph's scratch."""
         if self.graph_scratch is None:
             raise RuntimeError("init_cuda_graph_state must be called before capturing graphs")
-        part_o, part_lse = self.graph_scratch
         bs = fb.batch_size
-        self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, part_o[:bs], part_lse[:bs])
+        scratch = DecodeScratch(*(t[:bs] for t in self.graph_scratch))
+        self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch)
 
 
 def _zeros(q: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,9 @@ class DecodeConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     preload_kv: bool = False
-    per_head: bool = False  # decode_head.py's kernel: one program per (request, query head) over
-    # all keys, no splits and no merge (`splits` unused); its first block always preloads
+    per_head: bool = False  # decode_head.py's kernel: one program per (request, query head,
+    # split); a context of up to block_n + 1 keys in the first split alone, no merge; its first
+    # block always preloads
 
 
 @triton.jit
@@ -254,7 +255,7 @@ def decode_launch_config(batch: int, max_splits: int = 8,
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
     if batch == 1:
-        return DecodeConfig(1, block_n=256, num_warps=8, num_stages=2, preload_kv=True,
+        return DecodeConfig(max_splits, block_n=256, num_warps=8, num_stages=2, preload_kv=True,
                             per_head=True)
     if batch <= 16:
         return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
@@ -263,39 +264,52 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)
 
 
+class DecodeScratch(NamedTuple):
+    """Scratch for the split partials, shared by every layer of a forward."""
+    part_o: torch.Tensor  # [batch, heads, splits, head_dim] float32 partial outputs
+    part_lse: torch.Tensor  # [batch, heads, splits] float32 log-sum-exps
+    arrivals: torch.Tensor  # [batch, heads] int32 arrival counters (decode_head.py), 0 between
+    # launches: the last program to arrive sets its counter back
+
+
 def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for the partial results: out [batch, heads, splits, head_dim] and lse
-    [batch, heads, splits], float32. Allocate once per batch (or once for a CUDA graph)."""
-    part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
-    return part_o, part_lse
+                   device: torch.device) -> DecodeScratch:
+    """The partials' scratch (`DecodeScratch`). Allocate once per batch (or once for a CUDA
+    graph: a graph of fewer requests uses its first rows)."""
+    return DecodeScratch(
+        torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device),
+        torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device),
+        torch.zeros(batch, heads, dtype=torch.int32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
                      config: DecodeConfig = DecodeConfig(),
-                     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     buffers: DecodeScratch | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
     [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
-    batch); `buffers` from `decode_buffers` (made here if None), with room for its splits."""
+    batch); `buffers` from `decode_buffers` (made here if None), with room for the batch, the
+    heads and the config's splits."""
     group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
-    block_d = block_dmodel(head_dim)
-    if config.per_head:  # one kernel over all keys: no scratch, no merge
-        return decode_attention_per_head(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, out, group,
-            block_d, config.block_n, config.num_warps, config.num_stages)
     num_splits = config.splits
-    part_o, part_lse = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
+    scratch = buffers or decode_buffers(batch, heads, head_dim, num_splits, q.device)
+    part_o, part_lse, arrivals = scratch
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
+    if arrivals.shape[0] < batch or arrivals.shape[1] < heads:
+        raise ValueError(f"arrival counters for {tuple(arrivals.shape)} (requests, heads), "
+                         f"{(batch, heads)} asked")
+    block_d = block_dmodel(head_dim)
+    if config.per_head:  # one program per query head (and split): decode_head.py
+        return decode_attention_per_head(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                                         seq_lens, sm_scale, out, scratch, group, block_d, config)
     # one split: the kernel normalises and writes the output itself (what the merge of a single
     # split computes, bit for bit), one kernel instead of two
     direct = num_splits == 1
