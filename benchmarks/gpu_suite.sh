@@ -413,6 +413,10 @@ for stage in "$@"; do
               && python3 benchmarks/gpu_attention.py --batches 1 --keys 300 1000 --configs 8,32,4,2,1 \
               --out $OUT/attn23d_mid.json' ;;
     ab23b) ab_stage ab23b benchmarks/ab_twentythird_session_b.json 240 1 ;;
+    # the per-head kernel's splits at batch 1: long contexts alone, then the engine A/B
+    attn23e) run attn23e 100 python3 benchmarks/gpu_attention.py --batches 1 --keys 2048 4096 --configs \
+              4,256,8,2,1,1 2,256,8,2,1,1 --out "$OUT/attn23e.json" ;;
+    ab23c) ab_stage ab23c benchmarks/ab_twentythird_session_c.json 420 1 ;;
     # with it the batch-1 default: greedy parity (each prompt alone too: the batch-1 graph), bf16
     # and float32; batch 1 at long contexts against the split + merge
     parity23) run parity23 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --out $OUT/parity23.json \
