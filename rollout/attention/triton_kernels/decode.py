@@ -6,7 +6,8 @@ share of the request's keys, and leaves a normalised partial output plus its log
 Stage 2: one program per (request, head) merges the splits (with one split, stage 1 writes the
 output itself and stage 2 does not run). Splitting the keys keeps the GPU
 busy when the batch is small and the sequences long; the number of splits is a constant, so
-the launch grid depends on the batch size only (what a CUDA graph needs).
+the launch grid depends on the batch size only (what a CUDA graph needs). `DecodeConfig.per_head`
+launches decode_head.py's kernel instead (one program per query head; the batch-1 default).
 
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
@@ -245,12 +246,14 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     values held across the loop spill registers), and so did the first block's slots alone
     before the wait (32: 1.5538 -> 1.5677; 128: 1.9205) and, again, the keys and values
     preloaded at 17-64 requests (batch 32 1.5339 -> 1.5428 with 2 warps, 1.5422 with 4).
-    Twenty-third session: at one request a program per query head over all keys (decode_head.py,
-    256 keys a block, 8 warps; no merge kernel): batch-1 decode graph 1.0056 -> 0.9997 ms, 973 ->
-    984 tok/s (`benchmarks/ab_twentythird_session.json`; 16 warps 1.0096). Alone it measures
-    3.83 µs against the split + merge's 3.60 (`gpu_attention.py`): under PDL its keys are in
-    registers when the wait returns and one kernel fewer is on the chain. At 8 requests alone
-    4.87 vs 4.29, at 32 15.9 vs 5.9: batch 1 only."""
+    Twenty-third session: at one request a program per query head (decode_head.py, 256 keys a
+    block, 8 warps): a context of up to 257 keys in one program, no merge kernel; longer ones in
+    8 splits merged by the last to arrive. In the engine (`benchmarks/ab_twentythird_session*.json`,
+    batch-1 decode graph ms): 1.0056 -> 0.9997 with one split (16 warps 1.0096), then against
+    the split + merge kernels 1.0048 -> 1.0038 and 1.0026 -> 1.0018 with 8 splits (4: 1.0021;
+    1: 0.9993 — the idle splits' programs cost ~2.5 µs a step, kept for long contexts). Alone
+    (`gpu_attention.py`, µs a call): 192 keys 3.78 vs 3.55, 650 keys 5.12 vs 6.02, 3,072 keys
+    11.7 vs 27.9 (one split 124, 4 splits 20.3); at 8 requests 5.57 vs 4.31: batch 1 only."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
