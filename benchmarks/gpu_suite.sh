@@ -417,6 +417,13 @@ for stage in "$@"; do
     attn23e) run attn23e 100 python3 benchmarks/gpu_attention.py --batches 1 --keys 2048 4096 --configs \
               4,256,8,2,1,1 2,256,8,2,1,1 --out "$OUT/attn23e.json" ;;
     ab23c) ab_stage ab23c benchmarks/ab_twentythird_session_c.json 420 1 ;;
+    # the decode benchmark at batch 1 beside HF (as `decode` runs it), per-head kernel and the
+    # split + merge kernels alternated, two processes each
+    decode23) run decode23 420 bash -c 'for r in 0 1; do for v in head split; do if [ $v = split ]; then \
+              export ROLLOUT_DECODE_ATTN_CONFIGS="16:8,32,4,2,1;64:4,64,2,3;256:1,128,4,2,1"; \
+              else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out $OUT/decode23_${v}_$r.json | grep -E "graph_replay_ms|\"tok_per_s\"" | head -3; done; done' ;;
     # with it the batch-1 default: greedy parity (each prompt alone too: the batch-1 graph), bf16
     # and float32; batch 1 at long contexts against the split + merge
     parity23) run parity23 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --out $OUT/parity23.json \
