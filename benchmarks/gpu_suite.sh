@@ -424,6 +424,8 @@ for stage in "$@"; do
               else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
               --device cuda --dtype bfloat16 --batch-sizes 1 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --out $OUT/decode23_${v}_$r.json | grep -E "graph_replay_ms|\"tok_per_s\"" | head -3; done; done' ;;
+    # the same A/B as ab23b with the decode benchmark's three batches in each process
+    ab23d) ab_stage ab23d benchmarks/ab_twentythird_session_b.json 300 1 32 128 ;;
     # with it the batch-1 default: greedy parity (each prompt alone too: the batch-1 graph), bf16
     # and float32; batch 1 at long contexts against the split + merge
     parity23) run parity23 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --out $OUT/parity23.json \
