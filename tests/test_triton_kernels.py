@@ -222,8 +222,7 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     a malformed one is refused with the entry named."""
     monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
     assert decode.launch_table_from_env() is None
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, 256, 8, 2, True, True)
-    assert decode.decode_launch_config(2) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
+    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     table = decode.launch_table_from_env()
     assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(4, 64, 4, 2)

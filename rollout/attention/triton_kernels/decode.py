@@ -257,9 +257,6 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
-    if batch == 1:
-        return DecodeConfig(max_splits, block_n=256, num_warps=8, num_stages=2, preload_kv=True,
-                            per_head=True)
     if batch <= 16:
         return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
     if batch <= 64:
