@@ -7,7 +7,8 @@ Stage 2: one program per (request, head) merges the splits (with one split, stag
 output itself and stage 2 does not run). Splitting the keys keeps the GPU
 busy when the batch is small and the sequences long; the number of splits is a constant, so
 the launch grid depends on the batch size only (what a CUDA graph needs). `DecodeConfig.per_head`
-launches decode_head.py's kernel instead (one program per query head; the batch-1 default).
+launches decode_head.py's kernel instead (one program per query head; selectable through
+ROLLOUT_DECODE_ATTN_CONFIGS, no default batch range uses it).
 
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
@@ -246,14 +247,14 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     values held across the loop spill registers), and so did the first block's slots alone
     before the wait (32: 1.5538 -> 1.5677; 128: 1.9205) and, again, the keys and values
     preloaded at 17-64 requests (batch 32 1.5339 -> 1.5428 with 2 warps, 1.5422 with 4).
-    Twenty-third session: at one request a program per query head (decode_head.py, 256 keys a
-    block, 8 warps): a context of up to 257 keys in one program, no merge kernel; longer ones in
-    8 splits merged by the last to arrive. In the engine (`benchmarks/ab_twentythird_session*.json`,
-    batch-1 decode graph ms): 1.0056 -> 0.9997 with one split (16 warps 1.0096), then against
-    the split + merge kernels 1.0048 -> 1.0038 and 1.0026 -> 1.0018 with 8 splits (4: 1.0021;
-    1: 0.9993 — the idle splits' programs cost ~2.5 µs a step, kept for long contexts). Alone
-    (`gpu_attention.py`, µs a call): 192 keys 3.78 vs 3.55, 650 keys 5.12 vs 6.02, 3,072 keys
-    11.7 vs 27.9 (one split 124, 4 splits 20.3); at 8 requests 5.57 vs 4.31: batch 1 only."""
+    Twenty-third session: decode_head.py's kernel (`per_head`: a program per query head, 256
+    keys a block, 8 warps; a context of up to 257 keys in one program and no merge kernel,
+    longer ones in 8 splits merged by the last to arrive) is selectable through a table, not a
+    default. Alone (`gpu_attention.py`, batch 1, µs a call) 192 keys 3.78 vs 3.55, 650 keys 5.12
+    vs 6.02, 3,072 keys 11.7 vs 27.9. In the engine at batch 1 (128 + 128 tokens; decode graph
+    ms, `benchmarks/ab_twentythird_session*.json`) it won in processes running batch 1 alone
+    (1.0056 -> 0.9997 with one split, 1.0026 -> 1.0018 with 8) and lost in the decode
+    benchmark's process of batches 1, 32 and 128 (1.0087 -> 1.0197, 970.7 -> 962.8 tok/s)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
         return cfg._replace(splits=min(max_splits, cfg.splits))
