@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
+from rollout.attention.triton_kernels.common import (block_dmodel, check_kv, dot_precision,
+                                                      merge_partial)
 from rollout.attention.triton_kernels.decode_head import decode_attention_per_head
 from rollout.triton_pdl import launch_options, pdl_wait
 
@@ -171,12 +172,7 @@ def _decode_reduce_kernel(
         part = tl.load(PartO + b * stride_pb + head * stride_ph + split * stride_ps + offs_d,
                        mask=d_mask, other=0.0)
         part = tl.where(valid, part, 0.0)  # not `valid & d_mask`: the interpreter mistypes it
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp(m_i - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + w * part
-        l_i = l_i * alpha + w
-        m_i = m_new
+        m_i, l_i, acc = merge_partial(m_i, l_i, acc, lse, part, False)
     tl.store(O + b * stride_ob + head * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty),
              mask=d_mask)
 

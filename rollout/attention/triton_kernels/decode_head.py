@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.attention.triton_kernels.common import merge_partial
 from rollout.triton_pdl import launch_options, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -45,12 +46,7 @@ def _merge(PartO, PartLse, part, lse_ptr, offs_d, d_mask, stride_ps, NUM_SPLITS:
         lse = tl.load(lse_ptr + split, cache_modifier=".cg")
         o = tl.load(part + split * stride_ps + offs_d, mask=d_mask, other=0.0,
                     cache_modifier=".cg")
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + w * o
-        l_i = l_i * alpha + w
-        m_i = m_new
+        m_i, l_i, acc = merge_partial(m_i, l_i, acc, lse, o, True)
     return acc / l_i
 
 
