@@ -36,7 +36,7 @@ def _gather(Buf, slots, kv_head, stride_t, stride_h, offs_d, d_mask, mask):
 
 
 @triton.jit
-def _merge(PartO, PartLse, part, lse_ptr, offs_d, d_mask, stride_ps, NUM_SPLITS: tl.constexpr):
+def _merge(part, lse_ptr, offs_d, d_mask, stride_ps, NUM_SPLITS: tl.constexpr):
     """The splits' partials (normalised outputs, log2-sum-exps) combined in split order; read
     past the L1 (other SMs wrote them)."""
     m_i = float("-inf")
@@ -132,7 +132,7 @@ def _decode_head_kernel(
             arrived = tl.atomic_add(Arrivals + b * stride_ab + head, 1, sem="acq_rel")
             if arrived == NUM_SPLITS - 1:
                 tl.atomic_xchg(Arrivals + b * stride_ab + head, 0, sem="relaxed")
-                out = _merge(PartO, PartLse, part, lse_ptr, offs_d, d_mask, stride_ps, NUM_SPLITS)
+                out = _merge(part, lse_ptr, offs_d, d_mask, stride_ps, NUM_SPLITS)
                 tl.store(out_ptr, out.to(O.dtype.element_ty), mask=d_mask)
         else:
             tl.store(out_ptr, (acc / l_i).to(O.dtype.element_ty), mask=d_mask)
