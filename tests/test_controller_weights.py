@@ -158,7 +158,7 @@ def _leader_steps(ctl) -> int:
 
 def test_trainer_killed_mid_broadcast(ctl, trainer, tiny_dirs):
     bucket_bytes = 64 << 10
-    addr = GroupAddress("127.0.0.1", free_port(), 1 + ctl.num_weight_sync_ranks, "gloo", timeout_s=10)
+    addr = GroupAddress("127.0.0.1", free_port(), 1 + ctl.num_weight_sync_ranks, "gloo", timeout_s=60)
     proc = mp.get_context("spawn").Process(target=_dying_trainer,
                                            args=(addr, tiny_dirs[ARCH], bucket_bytes))
     proc.start()

@@ -153,7 +153,7 @@ def _dying_trainer(addr: GroupAddress, path: str, bucket_bytes: int):
 def test_trainer_killed_mid_broadcast(setup, tiny_dirs):
     engine, trainer = setup
     path, bucket_bytes = tiny_dirs["Qwen2ForCausalLM"], 64 << 10
-    addr = GroupAddress("127.0.0.1", free_port(), 2, "gloo", timeout_s=10)
+    addr = GroupAddress("127.0.0.1", free_port(), 2, "gloo", timeout_s=60)
     proc = mp.get_context("spawn").Process(target=_dying_trainer, args=(addr, path, bucket_bytes))
     proc.start()
     engine.init_weights_update_group(addr, 1)
