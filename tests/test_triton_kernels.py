@@ -182,8 +182,9 @@ def test_decode_per_head_kernel_matches_reference(head_dim, block_n, splits):
     for ragged contexts of 1-40 keys, GQA groups of 2, a padded head dim. At 64 keys a block
     every context is short (the first split alone, the others exit); at 16 the longer ones are
     split and merged by the last split to arrive (at 8 splits of an 18-key context the last
-    ones are empty), or with one split run block by block. The merge leaves the arrival counters 0, so a second
-    call (here on other queries) starts from a clean slate; NaN scratch never leaks."""
+    ones are empty), or with one split run block by block. The merge leaves the arrival
+    counters 0, so a second call (here on other queries) starts from a clean slate; NaN
+    scratch never leaks."""
     lens = [1, 40, 18, 33, 5]
     p = make_paged(lens, [n - 1 for n in lens], kv_heads=2, head_dim=head_dim)
     scale = head_dim ** -0.5
