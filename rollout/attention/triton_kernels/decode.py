@@ -300,11 +300,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     part_o, part_lse, arrivals = scratch
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
-    if arrivals.shape[0] < batch or arrivals.shape[1] < heads:
-        raise ValueError(f"arrival counters for {tuple(arrivals.shape)} (requests, heads), "
-                         f"{(batch, heads)} asked")
     block_d = block_dmodel(head_dim)
     if config.per_head:  # one program per query head (and split): decode_head.py
+        if arrivals.shape[0] < batch or arrivals.shape[1] < heads:
+            raise ValueError(f"arrival counters for {tuple(arrivals.shape)} (requests, heads), "
+                             f"{(batch, heads)} asked")
         return decode_attention_per_head(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
                                          seq_lens, sm_scale, out, scratch, group, block_d, config)
     # one split: the kernel normalises and writes the output itself (what the merge of a single
