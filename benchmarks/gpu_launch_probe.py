@@ -46,8 +46,8 @@ def main() -> None:
                                  max_running_requests=8, load_format="dummy"))
     gr = engine.runner.graph_runner
     with torch.inference_mode():
-        g2, out2 = gr._capture_one(1, torch.cuda.graph_pool_handle())
-    g1, out1 = gr.graphs[1], gr.outputs[1]
+        g2, out2 = gr._capture_one(1, 1, torch.cuda.graph_pool_handle())
+    g1, out1 = gr.graphs[1, 0], gr.outputs[1, 0]  # batch 1, short contexts
     result = {"one_exec": host_ms_per_launch([g1]), "two_execs": host_ms_per_launch([g1, g2])}
     print(result, flush=True)
     prompts = prompts_for(1, 128, SHAPES["qwen2-1.5b"].vocab_size)
@@ -56,13 +56,13 @@ def main() -> None:
 
     def alternating(fb):
         flip[0] ^= 1
-        gr.graphs[1], gr.outputs[1] = (g2, out2) if flip[0] else (g1, out1)
+        gr.graphs[1, 0], gr.outputs[1, 0] = (g2, out2) if flip[0] else (g1, out1)
         return replay(fb)
     engine.generate(prompts, sp)
     rates = {"one_exec": [], "two_execs": []}
     for _ in range(3):
         gr.replay = replay
-        gr.graphs[1], gr.outputs[1] = g1, out1
+        gr.graphs[1, 0], gr.outputs[1, 0] = g1, out1
         rates["one_exec"].append(tok_per_s(engine, prompts, sp))
         gr.replay = alternating
         rates["two_execs"].append(tok_per_s(engine, prompts, sp))

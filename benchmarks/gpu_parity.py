@@ -1,7 +1,8 @@
 """GPU checks of one call (device tool), JSON to --out:
 
 1. Triton + CUDA-graph engine vs torch_native eager engine, Qwen2-1.5B shape: greedy tokens
-   of 8 ragged prompts for 16 steps, and the number of graph replays (the graph path is taken);
+   of 8 ragged prompts (--prompt-lens) for 16 steps, and the number of graph replays (the graph
+   path is taken);
    also each prompt alone through the Triton engine (its batch-1 graph) against the same tokens.
 2. TP=2 (RolloutController on both GPUs) vs TP=1 (one GPU): the same greedy tokens, max |Δ| of
    prefill logits, and decode tokens/s of both (batch 32, 128 new tokens).
@@ -30,9 +31,9 @@ from rollout import Engine, EngineConfig, SamplingParams
 RAGGED_LENS = [5, 17, 33, 64, 9, 128, 71, 2]
 
 
-def ragged_prompts(vocab: int) -> list[list[int]]:
+def ragged_prompts(vocab: int, lens: list[int] = RAGGED_LENS) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, min(vocab, 5000), (n,), generator=g).tolist() for n in RAGGED_LENS]
+    return [torch.randint(0, min(vocab, 5000), (n,), generator=g).tolist() for n in lens]
 
 
 def greedy(engine_or_ctl, prompts, steps: int = 16):
@@ -72,12 +73,19 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--flashinfer", action="store_true", help="also FlashInfer vs Triton")
     p.add_argument("--hf-control", action="store_true", help="also HF eager vs HF sdpa")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=RAGGED_LENS,
+                   help="the ragged prompts' lengths (past 257: the long-context launches)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="each engine's KV pool (default: its share of free memory; the second "
+                        "engine then has little left for torch_native's padded attention)")
     args = p.parse_args()
     spec = dataclasses.replace(SHAPES["qwen2-1.5b"], embed_std=args.embed_std)
     path = str(model_dir_for(spec))
-    prompts, result = ragged_prompts(spec.vocab_size), {"embed_std": args.embed_std,
-                                                            "init_std": spec.init_std, "dtype": args.dtype}
-    base = dict(model_path=path, device="cuda", dtype=args.dtype, max_running_requests=64)
+    prompts = ragged_prompts(spec.vocab_size, args.prompt_lens)
+    result = {"embed_std": args.embed_std, "init_std": spec.init_std, "dtype": args.dtype,
+              "prompt_lens": args.prompt_lens}
+    base = dict(model_path=path, device="cuda", dtype=args.dtype, max_running_requests=64,
+                kv_cache_tokens=args.kv_cache_tokens)
     if args.hf_control:
         result["hf_eager_vs_hf_sdpa"] = hf_control(path, prompts, args.dtype)
         print(json.dumps(result, indent=1), flush=True)

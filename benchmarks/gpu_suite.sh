@@ -401,6 +401,65 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # twenty-third session: the decode attention a program per query head (decode_head.py):
     # the GPU specs of the attention kernels, the kernels alone, the engine A/B at batch 1
+    # twenty-fourth session: the per-head kernel in one split at batch 1 in the decode benchmark's
+    # process shape; batches 1-8 at long contexts alone (split + merge vs per-head splits); the
+    # engine at batch 1 and 4 with a 3,968-token prompt, split + merge vs per-head
+    ab24a) ab_stage ab24a benchmarks/ab_twentyfourth_session.json 330 1 32 128 ;;
+    attn24) run attn24 200 python3 benchmarks/gpu_attention.py --batches 1 2 4 8 --keys 2048 4096 \
+              --configs 8,32,4,2,1 8,256,8,2,1,1 4,256,8,2,1,1 2,256,8,2,1,1 1,256,8,2,1,1 --out "$OUT/attn24.json"
+            run attn24b 200 python3 benchmarks/gpu_attention.py --batches 1 2 4 --keys 8192 16384 \
+              --configs 8,32,4,2,1 8,256,8,2,1,1 4,256,8,2,1,1 2,256,8,2,1,1 --out "$OUT/attn24b.json" ;;
+    long24) run long24 300 bash -c 'for v in split head; do if [ $v = head ]; then \
+              export ROLLOUT_DECODE_ATTN_CONFIGS="1:8,256,8,2,1,1;4:2,256,8,2,1,1;16:8,32,4,2,1;64:4,64,2,3;256:1,128,4,2,1"; \
+              else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 4 --prompt-len 3968 --new-tokens 128 --repeats 2 \
+              --skip-hf --out $OUT/long24_$v.json | grep -E "graph_replay_ms|\"tok_per_s\"|startup" | head -6; done' ;;
+    # the launch classes (decode graphs per context class): the kernel specs compiled, the new
+    # GPU graph spec among them; the engine at one and two requests with a 3,968-token prompt,
+    # the built-in launches against the table before them; the split kernel's configs at 4-32
+    # requests with long contexts
+    attn24c) run attn24c 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -p no:cacheprovider ;;
+    long24b) run long24b 300 bash -c 'for v in now before; do if [ $v = before ]; then \
+              export ROLLOUT_DECODE_ATTN_CONFIGS="16:8,32,4,2,1;64:4,64,2,3;256:1,128,4,2,1"; \
+              else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 2 --prompt-len 3968 --new-tokens 128 --repeats 2 \
+              --skip-hf --out $OUT/long24b_$v.json | grep -E "graph_replay_ms|\"tok_per_s\"|startup" | head -6; done' ;;
+    attn24d) run attn24d 200 python3 benchmarks/gpu_attention.py --batches 4 8 16 32 --keys 2048 4096 \
+              --configs 8,32,4,2,1 8,64,4,2,1 8,128,4,2,1 8,64,8,2,1 8,128,8,2,1 8,128,4,3,1 8,64,4,2,0 \
+              --out "$OUT/attn24d.json" ;;
+    # the long class's config per batch: the per-head kernel and the split kernel's 128-key
+    # blocks at 1-64 requests, at 2-4k keys and at 300-1,000 (near the class edge, 257)
+    attn24e) run attn24e 200 python3 benchmarks/gpu_attention.py --batches 1 2 4 64 --keys 2048 4096 \
+              --configs 8,32,4,2,1 8,256,8,2,1,1 4,256,8,2,1,1 8,128,4,3,1 8,128,4,2,1 8,128,8,3,1 4,128,4,3,1 \
+              8,64,4,2,0 --out "$OUT/attn24e.json"
+             run attn24f 200 python3 benchmarks/gpu_attention.py --batches 1 2 4 8 16 32 --keys 300 1000 \
+              --configs 8,32,4,2,1 8,256,8,2,1,1 4,256,8,2,1,1 8,128,4,3,1 8,64,4,2,0 4,64,2,3 \
+              --out "$OUT/attn24f.json" ;;
+    # the engine with a 3,968-token prompt at 1-16 requests (1-32 in its first run): the launch classes' table against
+    # the table before them (one launch whatever the context)
+    long24c) run long24c 400 bash -c 'for v in now before; do if [ $v = before ]; then \
+              export ROLLOUT_DECODE_ATTN_CONFIGS="16:8,32,4,2,1;64:4,64,2,3;256:1,128,4,2,1"; \
+              else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 2 4 8 16 --prompt-len 3968 --new-tokens 128 \
+              --repeats 2 --skip-hf --out $OUT/long24c_$v.json | grep -E "^\{\"batch|startup" | head -8; done' ;;
+    # the extra graphs in the decode benchmark's shape; greedy parity at long contexts (float32
+    # and bf16): batched (the batch-8 graph's long class) and each prompt alone (batch 1's)
+    ab24b) ab_stage ab24b benchmarks/ab_twentyfourth_session_b.json 330 1 32 128 ;;
+    parity24) run parity24 300 bash -c 'python3 benchmarks/gpu_parity.py --skip-tp --dtype float32 \
+              --prompt-lens 300 5 517 260 1030 64 2000 129 --kv-cache-tokens 65536 --out $OUT/parity24_fp32.json \
+              && python3 benchmarks/gpu_parity.py --skip-tp --prompt-lens 300 5 517 260 1030 64 2000 129 \
+              --kv-cache-tokens 65536 --out $OUT/parity24.json' ;;
+    # batch 1's long class: the per-head kernel against the split kernel's 128-key blocks (one
+    # kernel fewer to compile at start-up), alone at 8-16k keys and in the engine at ~4k
+    long24d) run attn24g 200 python3 benchmarks/gpu_attention.py --batches 1 2 --keys 8192 16384 \
+              --configs 8,32,4,2,1 8,256,8,2,1,1 8,128,4,3,1 8,256,8,3,1 8,128,8,3,1 --out "$OUT/attn24g.json"
+             run long24d 300 bash -c 'for v in now split; do if [ $v = split ]; then \
+              export ROLLOUT_DECODE_ATTN_CONFIGS="16:8,32,4,2,1|8,128,4,3,1;32:4,64,2,3|8,64,4,2;64:4,64,2,3;256:1,128,4,2,1"; \
+              else unset ROLLOUT_DECODE_ATTN_CONFIGS; fi; python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+              --device cuda --dtype bfloat16 --batch-sizes 1 --prompt-len 3968 --new-tokens 128 \
+              --repeats 3 --skip-hf --out $OUT/long24d_$v.json | grep -E "^\{\"batch|startup" | head -3; done' ;;
+    parity24b) run parity24b 200 python3 benchmarks/gpu_parity.py --skip-tp --dtype float32 \
+              --prompt-lens 300 5 517 260 1030 64 2000 129 --kv-cache-tokens 65536 --out $OUT/parity24b_fp32.json ;;
     attn23) run attn23 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -p no:cacheprovider ;;
     attn23b) run attn23b 240 python3 benchmarks/gpu_attention.py --batches 1 8 32 128 --configs 8,32,4,2,1 \
               1,256,16,2,1,1 1,256,8,2,1,1 1,128,8,2,1,1 1,256,32,2,1,1 --out "$OUT/attn23b.json" ;;

@@ -27,9 +27,9 @@ from rollout import Engine, EngineConfig, SamplingParams
 
 def replay_ms(engine: Engine, bs: int, n: int = 50) -> float:
     gr = engine.runner.graph_runner
-    if gr is None or bs not in gr.graphs:
+    if gr is None or (bs, 0) not in gr.graphs:
         return float("nan")
-    return replay_seconds(gr.graphs[bs], n) * 1e3
+    return replay_seconds(gr.graphs[(bs, 0)], n) * 1e3  # launch class 0: short contexts
 
 
 def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, float]:

@@ -1,5 +1,8 @@
-"""Decode CUDA graphs: one graph per batch size (model forward + logits), replayed with padding;
-and the one-request prefill graphs of `prefill_graphs`, captured into the same memory pool.
+"""Decode CUDA graphs: one graph per batch size and launch class (model forward + logits),
+replayed with padding; and the one-request prefill graphs of `prefill_graphs`, captured into the
+same memory pool. A launch class is the attention backend's (`decode_launch_classes`): where its
+decode kernels launch by the batch's longest context (the Triton backend's, past 257 keys up to
+16 requests), a batch size has a graph per class and a replay takes the batch's.
 
 Every graph reads its inputs from one set of static buffers sized for the largest batch (a graph
 of size bs reads their first bs rows), filled before each replay (`GraphInputs.fill`), and
@@ -98,8 +101,10 @@ class CudaGraphRunner:
         self.batch_sizes = sorted({min(s, cfg.max_running_requests) for s in cfg.graph_batch_sizes})
         self.max_bs = self.batch_sizes[-1]
         self.num_replays = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # by (batch size, launch class)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_key: Optional[tuple[int, int]] = None  # the graph replayed last
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
         self.enabled = True
         try:
@@ -143,14 +148,22 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.batch_sizes):  # largest first: the others fit in its pool
-            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        for key, max_seq_len in self.graph_keys():  # largest first: the others fit in its pool
+            self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, pool)
+        logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs),
+                    self.batch_sizes)
         if self.prefill is not None:
             self.prefill.capture(pool)
 
-    def _capture_one(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        fb = self._static_batch(bs, [1] * bs)
+    def graph_keys(self) -> list[tuple[tuple[int, int], int]]:
+        """((batch size, launch class), a longest context of that class) for every decode graph,
+        largest batch first."""
+        return [((bs, cls), max_seq_len) for bs in reversed(self.batch_sizes)
+                for cls, max_seq_len in enumerate(self.backend.decode_launch_classes(bs))]
+
+    def _capture_one(self, bs: int, max_seq_len: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # the static inputs hold idle rows (one key each): only the host lengths say the class
+        fb = self._static_batch(bs, [max_seq_len] * bs)
         self.backend.init_forward_metadata_capture(fb)
         return capture_graph(lambda: self._forward(fb), pool)
 
@@ -189,12 +202,14 @@ class CudaGraphRunner:
             return self.prefill.replay(fb)
         bs = fb.batch_size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        key = (graph_bs, self.backend.decode_launch_class(graph_bs, fb.max_seq_len))
         self.inputs.fill(fb, graph_bs, self.model_runner)
         padded_lens = list(fb.seq_lens_cpu) + [1] * (graph_bs - bs)
         self.backend.init_forward_metadata_replay(self._static_batch(graph_bs, padded_lens))
-        self.graphs[graph_bs].replay()
+        self.graphs[key].replay()
         self.num_replays += 1
-        out = self.outputs[graph_bs][:bs]
+        self.last_key = key
+        out = self.outputs[key][:bs]
         # The static output is overwritten by the next replay of any graph (shared pool): a copy,
         # unless the caller reads it at once (the engine samples from it, and the next replay is
         # queued behind that sampling on the same stream; the copy is 78 MB at batch 128)

@@ -35,12 +35,21 @@ def eager_graph_capture(self) -> None:
     decode or prefill, re-runs the forward eagerly on the static buffers, so replay reads
     exactly what a captured graph would read."""
     from types import SimpleNamespace
-    for bs in self.batch_sizes:
-        fb = self._static_batch(bs, [1] * bs)
+    for key, max_seq_len in self.graph_keys():
+        fb = self._static_batch(key[0], [max_seq_len] * key[0])
         self.backend.init_forward_metadata_capture(fb)
-        self.outputs[bs] = self._forward(fb)
-        self.graphs[bs] = SimpleNamespace(
-            replay=lambda fb=fb, bs=bs: self.outputs[bs].copy_(self._forward(fb)))
+        # what a captured graph keeps of the backend's metadata: the capture's launch
+        meta = getattr(self.backend, "meta", None)
+        self.outputs[key] = self._forward(fb)
+
+        def replay(fb=fb, key=key, meta=meta):
+            if meta is None:
+                self.outputs[key].copy_(self._forward(fb))
+                return
+            replayed, self.backend.meta = self.backend.meta, meta
+            self.outputs[key].copy_(self._forward(fb))
+            self.backend.meta = replayed
+        self.graphs[key] = SimpleNamespace(replay=replay)
     prefill = self.prefill
     for size in prefill.token_sizes if prefill is not None else ():
         fb = prefill.static_batch(size)

@@ -239,11 +239,35 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     table = decode.launch_table_from_env()
     assert decode.decode_launch_config(1, table=table).per_head is True
     assert decode.decode_launch_config(2, table=table).per_head is False
+    # a long-context config after '|': past 257 keys
+    monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "2:8,32,4,2,1|16,256,8,2,1,1;256:1,128,4,2,1")
+    table = decode.launch_table_from_env()
+    launch = decode.decode_launch(2, max_splits=8, table=table)
+    assert launch.long == decode.DecodeConfig(8, 256, 8, 2, True, True)  # capped at 8 splits
+    assert launch.launch_classes() == (1, 258)
+    assert decode.decode_launch_config(1, table=table, max_keys=257).per_head is False
+    assert decode.decode_launch_config(1, table=table, max_keys=258).per_head is True
+    assert decode.decode_launch(3, table=table).launch_classes() == (1,)
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
-                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,1"):
+                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,1", "2:8,32,4,2,1|8,256,8,2,2",
+                "2:8,32,4,2,1|8,256,8,2,1,1|8,256,8,2,1,1", "0:8,32,4,2"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
         with pytest.raises(ValueError, match="decode attention config"):
             decode.launch_table_from_env()
+
+
+def test_decode_launches_by_context_length():
+    """The built-in table past 257 keys: 8 splits of 128-key blocks up to 16 requests; from 17
+    requests on one launch whatever the context."""
+    for batch in (1, 2, 16):
+        launch = decode.decode_launch(batch)
+        assert launch.launch_classes() == (1, 258)
+        assert decode.decode_launch_config(batch, max_keys=257) == launch.short
+        assert decode.decode_launch_config(batch, max_keys=258) == decode.DecodeConfig(8, 128, 4, 3, True)
+    assert decode.decode_launch(2, max_splits=2).long.splits == 2
+    for batch in (17, 32, 64, 128, 256):
+        assert decode.decode_launch(batch).launch_classes() == (1,)
+        assert decode.decode_launch_config(batch, max_keys=10 ** 5) == decode.decode_launch_config(batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -436,6 +460,40 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
     assert meta.seq_lens.tolist() == graphed.lens + [1] * 3  # the padded rows' length
 
 
+def test_graph_runner_launch_classes_on_cpu(tiny_dirs, monkeypatch):
+    """Decode graphs per (batch size, launch class): at one and two requests the backend
+    launches other blocks past 17 keys on CPU (past 257 up to 16 requests on a GPU), so a
+    batch whose longest context crosses that replays the other class's graph from the next step
+    on, with the eager forward's logits; three requests and more have one class here."""
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
+               cuda_graph_batch_sizes=(1, 2, 4), cuda_graph_prefill_tokens=())
+    graphed = RunnerDriver(path, **cfg)
+    runner = graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
+    assert sorted(runner.graphs) == [(1, 0), (1, 1), (2, 0), (2, 1), (4, 0)]
+    eager = RunnerDriver(path, **cfg)
+    for prompts, keys in (([list(range(3, 18))], [(1, 0), (1, 0), (1, 1), (1, 1)]),
+                          ([[5, 6, 7], list(range(2, 30))], [(2, 1)] * 4),
+                          ([[5, 6, 7]] * 3, [(4, 0)] * 4)):
+        seen, logits = [], []
+        for driver in (graphed, eager):
+            out, tokens = driver.prefill([list(p) for p in prompts]), []
+            for _ in keys:
+                out = driver.decode(out.argmax(-1).tolist())
+                tokens.append(out)
+                if driver is graphed:
+                    seen.append(runner.last_key)
+                    bs, cls = runner.last_key
+                    launch = graphed.runner.attn_backend.decode_launch(bs)
+                    assert graphed.runner.attn_backend.meta.config == launch.config(17 + cls)
+            logits.append(torch.stack(tokens))
+        assert seen == keys
+        assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+
+
 def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
     """One-request prefills replay the prefill graph of the next size up (padded rows write the
     dummy slot and are dropped), fresh and after a cached prefix (a chunked prompt), with the
@@ -539,7 +597,7 @@ def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):
     fb = build_batch(ForwardMode.DECODE, driver.rows, [[7], [8]], driver.lens, driver.alloc, DEV)
     fb.logits_read_at_once = True
     transient = driver.forward(fb)
-    assert transient.data_ptr() == runner.outputs[2].data_ptr()
+    assert transient.data_ptr() == runner.outputs[2, 0].data_ptr()
     assert transient.dtype == kept.dtype == torch.float32  # a float32 model's head: no cast
     assert torch.equal(kept, before)  # the earlier copy was not overwritten by the replay
 
@@ -567,7 +625,7 @@ def test_bf16_graph_hands_the_sampler_the_heads_logits(tiny_dirs, monkeypatch):
     transient = driver.forward(fb)
     assert runner.num_replays == 2 and logits.dtype == copied.dtype == torch.float32
     assert transient.dtype == torch.bfloat16
-    assert transient.data_ptr() == runner.outputs[2].data_ptr()
+    assert transient.data_ptr() == runner.outputs[2, 0].data_ptr()
     assert torch.equal(transient.float(), copied)
 
 
@@ -602,6 +660,32 @@ def test_cuda_graph_greedy_matches_eager(tiny_dirs):
     assert graphed.runner.graph_runner.num_replays >= 16
     assert g_tokens == e_tokens
     assert (g_logits - e_logits).abs().max().item() <= 1e-3
+
+
+@gpu
+def test_cuda_graph_long_context_class_matches_eager(tiny_dirs):
+    """Captured decode graphs of both launch classes: one request whose context passes 257 keys
+    mid-decode (the short class's graph, then the long class's: 128-key blocks) and two requests,
+    one long, against the eager forward, which launches by the same rule."""
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    graphed = graph_driver(path)
+    runner = graphed.runner.graph_runner
+    assert set(runner.graphs) == {(bs, cls) for bs in (1, 2, 4, 8) for cls in (0, 1)}
+    eager = RunnerDriver(path, device="cuda", attention_backend="triton", cuda_graph=False)
+    for prompts, classes in (([list(range(1, 251))], [0] * 7 + [1] * 5),
+                             ([list(range(3, 303)), [5, 6, 7]], [1] * 4)):
+        out, seen = {}, []
+        for driver in (graphed, eager):
+            logits, steps = driver.prefill([list(p) for p in prompts]), []
+            for _ in classes:
+                logits = driver.decode(logits.argmax(-1).tolist())
+                steps.append(logits)
+                if driver is graphed:
+                    seen.append(runner.last_key)
+            out[driver is graphed] = torch.stack(steps)
+        assert [key[1] for key in seen] == classes
+        assert out[True].argmax(-1).tolist() == out[False].argmax(-1).tolist()
+        assert (out[True] - out[False]).abs().max().item() <= 1e-3
 
 
 @gpu

@@ -38,6 +38,19 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)
 
+    # Decode launches by context length: a backend whose decode grid depends on the batch's
+    # longest context (not only on its size) names a class per launch; the graph runner captures
+    # a decode graph per (batch size, class) and replays the batch's class.
+    def decode_launch_classes(self, batch: int) -> tuple[int, ...]:
+        """For each launch class at this batch size, a longest context that selects it (what
+        its graph is captured with). One class unless a backend launches by context length."""
+        return (1,)
+
+    def decode_launch_class(self, batch: int, max_seq_len: int) -> int:
+        """The class (an index into `decode_launch_classes(batch)`) of a decode batch of `batch`
+        rows whose longest context has `max_seq_len` keys."""
+        return 0
+
     # CUDA-graph hooks: backends that support decode graphs override these. Capture and replay
     # get the graph runner's static batch: its tensors are the static inputs the graph reads,
     # already filled (and padded) for this replay, so a backend reads them in place and keeps

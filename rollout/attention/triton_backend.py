@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeScratch, decode_attention,
-                                                      decode_buffers, decode_launch_config,
-                                                      launch_table_from_env)
+from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeLaunch, DecodeScratch,
+                                                      decode_attention, decode_buffers,
+                                                      decode_launch, launch_table_from_env)
 from rollout.attention.triton_kernels.extend import extend_attention
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class DecodeMetadata:
     req_pool_indices: torch.Tensor  # [bs] request row of each query
     seq_lens: torch.Tensor  # [bs] keys per request, the new token included
     scratch: DecodeScratch  # the splits' partials and arrival counters, shared by all layers
+    config: DecodeConfig  # the kernel's launch, from the batch size and its longest context
 
 
 @dataclass
@@ -52,7 +53,8 @@ class TritonBackend(AttentionBackend):
         # At most this many KV splits (the scratch's size); `decode_config` picks per batch. The
         # interpreter runs one program at a time, where extra splits only cost time.
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
-        self.launch_table = launch_table_from_env()  # None: decode_launch_config's own
+        self.launch_table = launch_table_from_env()  # None: decode_launch's own
+        self.launches: dict[int, DecodeLaunch] = {}  # by batch size
         self.meta: DecodeMetadata | ExtendMetadata | None = None
         self.graph_scratch: Optional[DecodeScratch] = None  # for max_bs
 
@@ -61,9 +63,13 @@ class TritonBackend(AttentionBackend):
         if fb.forward_mode.is_decode:
             scratch = decode_buffers(fb.batch_size, self.num_heads, self.head_dim,
                                      self.num_kv_splits, self.device)
-            self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch)
+            self.meta = self._decode_metadata(fb, scratch)
         else:
             self.meta = self._extend_metadata(fb)
+
+    def _decode_metadata(self, fb: "ForwardBatch", scratch: DecodeScratch) -> DecodeMetadata:
+        config = self.decode_launch(fb.batch_size).config(fb.max_seq_len)
+        return DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch, config)
 
     def _extend_metadata(self, fb: "ForwardBatch") -> ExtendMetadata:
         ext, prefix = fb.extend_seq_lens, fb.extend_prefix_lens
@@ -87,15 +93,28 @@ class TritonBackend(AttentionBackend):
         m, pool = self.meta, fb.token_to_kv_pool
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
-            m.req_pool_indices, m.seq_lens, layer.scaling,
-            buffers=m.scratch, config=self.decode_config(q.shape[0]))
+            m.req_pool_indices, m.seq_lens, layer.scaling, buffers=m.scratch, config=m.config)
 
-    def decode_config(self, batch: int) -> DecodeConfig:
-        """The decode kernel's launch config for a batch (`decode_launch_config`); off CUDA
-        the interpreter's: every split at once, launch parameters unused."""
-        if self.device.type != "cuda":
-            return DecodeConfig(self.num_kv_splits)
-        return decode_launch_config(batch, self.num_kv_splits, self.launch_table)
+    def decode_launch(self, batch: int) -> DecodeLaunch:
+        """The decode kernel's launches for a batch size (`decode.decode_launch`). Off CUDA the
+        interpreter's: every split at once (launch parameters unused) and, at one and two
+        requests, blocks of 16 keys past 17 keys, so that CPU specs reach both launch classes."""
+        launch = self.launches.get(batch)
+        if launch is None:
+            if self.device.type != "cuda":
+                splits = self.num_kv_splits
+                long = DecodeConfig(splits, block_n=16) if batch <= 2 else None
+                launch = DecodeLaunch(DecodeConfig(splits), long, long_above=17)
+            else:
+                launch = decode_launch(batch, self.num_kv_splits, self.launch_table)
+            self.launches[batch] = launch
+        return launch
+
+    def decode_launch_classes(self, batch: int) -> tuple[int, ...]:
+        return self.decode_launch(batch).launch_classes()
+
+    def decode_launch_class(self, batch: int, max_seq_len: int) -> int:
+        return self.decode_launch(batch).launch_class(max_seq_len)
 
     # ---- CUDA graphs (decode only) ----------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -110,12 +129,13 @@ class TritonBackend(AttentionBackend):
     def init_forward_metadata_replay(self, fb: "ForwardBatch") -> None:
         """fb is the graph runner's static batch, already filled and padded: its request rows and
         seq_lens are the buffers the graph reads, so the metadata is those views (nothing copied)
-        plus the graph's scratch."""
+        plus the graph's scratch and the launch of its class (fb's seq_lens_cpu: the real batch's,
+        padded with 1, or at capture the class's longest context)."""
         if self.graph_scratch is None:
             raise RuntimeError("init_cuda_graph_state must be called before capturing graphs")
         bs = fb.batch_size
         scratch = DecodeScratch(*(t[:bs] for t in self.graph_scratch))
-        self.meta = DecodeMetadata(fb.req_pool_indices, fb.seq_lens, scratch)
+        self.meta = self._decode_metadata(fb, scratch)
 
 
 def _zeros(q: torch.Tensor) -> torch.Tensor:

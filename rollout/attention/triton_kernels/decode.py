@@ -6,9 +6,10 @@ share of the request's keys, and leaves a normalised partial output plus its log
 Stage 2: one program per (request, head) merges the splits (with one split, stage 1 writes the
 output itself and stage 2 does not run). Splitting the keys keeps the GPU
 busy when the batch is small and the sequences long; the number of splits is a constant, so
-the launch grid depends on the batch size only (what a CUDA graph needs). `DecodeConfig.per_head`
+the launch grid depends on the batch size (and, through `DecodeLaunch`, on whether the longest
+context is long: a CUDA graph is captured for each) and never on a device value. `DecodeConfig.per_head`
 launches decode_head.py's kernel instead (one program per query head; selectable through
-ROLLOUT_DECODE_ATTN_CONFIGS, no default batch range uses it).
+ROLLOUT_DECODE_ATTN_CONFIGS, no default launch uses it).
 
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
@@ -177,7 +178,37 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
-LaunchTable = tuple[tuple[int, DecodeConfig], ...]  # (largest batch, config), edges ascending
+LONG_CONTEXT_KEYS = 257  # past this many keys a context is long: more than one block of the
+# per-head kernel (256 earlier keys + the new one); a 128 + 128 token run stays short
+
+
+class DecodeLaunch(NamedTuple):
+    """One batch range's decode attention launches: `short` for a batch whose contexts all have at
+    most `long_above` keys, `long` (if any) for a batch with a longer one. The grid of a CUDA graph
+    is fixed, so decode graphs are captured for each (`launch_classes`) and the batch's longest
+    context picks one (`launch_class`)."""
+    short: DecodeConfig
+    long: Optional[DecodeConfig] = None
+    long_above: int = LONG_CONTEXT_KEYS
+
+    def launch_class(self, max_keys: int) -> int:
+        """0: `short`; 1: `long` (a batch whose longest context has `max_keys` keys)."""
+        return int(self.long is not None and max_keys > self.long_above)
+
+    def launch_classes(self) -> tuple[int, ...]:
+        """A longest context for each class (what its decode graph is captured with)."""
+        return (1,) if self.long is None else (1, self.long_above + 1)
+
+    def config(self, max_keys: int) -> DecodeConfig:
+        return self.long if self.launch_class(max_keys) else self.short
+
+    def capped(self, max_splits: int) -> "DecodeLaunch":
+        """Splits capped by the scratch's."""
+        cap = lambda c: c if c is None else c._replace(splits=min(max_splits, c.splits))  # noqa: E731
+        return self._replace(short=cap(self.short), long=cap(self.long))
+
+
+LaunchTable = tuple[tuple[int, DecodeLaunch], ...]  # (largest batch, launches), edges ascending
 
 
 def launch_table_from_env() -> Optional[LaunchTable]:
@@ -188,34 +219,51 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 
 def parse_launch_table(spec: str) -> LaunchTable:
-    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv];..." (e.g.
-    "16:8,32,4,3,1;256:2,64,2,3"). Edges should be CUDA-graph sizes (a batch and the graph it is
-    padded to then launch alike)."""
+    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head]][|LONG];..."
+    (e.g. "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
+    context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be
+    CUDA-graph sizes (a batch and the graph it is padded to then launch alike)."""
     table = []
     for entry in filter(None, spec.replace(" ", "").split(";")):
         try:
             edge, values = entry.split(":")
-            values = [int(v) for v in values.split(",")]
-            if not 4 <= len(values) <= len(DecodeConfig._fields):
-                raise ValueError(f"{len(values)} values")
-            if any(flag not in (0, 1) for flag in values[4:]):
-                raise ValueError("preload_kv and per_head are 0 or 1")
-            cfg, edge = DecodeConfig(*values[:4], *map(bool, values[4:])), int(edge)
+            short, *long = (_parse_config(v) for v in values.split("|"))
+            if len(long) > 1:
+                raise ValueError("one long-context config after '|'")
+            launch, edge = DecodeLaunch(short, *long), int(edge)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"decode attention config {entry!r}: want "
-                             f"MAX_BATCH:splits,block_n,warps,stages[,preload_kv] ({e})") from None
-        if edge < 1 or min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
-            raise ValueError(f"decode attention config {entry!r}: positive values, block_n a "
-                             "power of two")
-        table.append((edge, cfg))
+            raise ValueError(f"decode attention config {entry!r}: want MAX_BATCH:splits,block_n,"
+                             f"warps,stages[,preload_kv[,per_head]][|LONG] ({e})") from None
+        if edge < 1:
+            raise ValueError(f"decode attention config {entry!r}: MAX_BATCH positive")
+        table.append((edge, launch))
     if not table:
         raise ValueError(f"decode attention configs {spec!r}: no entry")
     return tuple(sorted(table))
 
 
-def decode_launch_config(batch: int, max_splits: int = 8,
-                         table: Optional[LaunchTable] = None) -> DecodeConfig:
-    """The launch config for a decode batch on a GPU. Splits: many when few requests must fill
+def _parse_config(text: str) -> DecodeConfig:
+    values = [int(v) for v in text.split(",")]
+    if not 4 <= len(values) <= len(DecodeConfig._fields):
+        raise ValueError(f"{len(values)} values")
+    if any(flag not in (0, 1) for flag in values[4:]):
+        raise ValueError("preload_kv and per_head are 0 or 1")
+    cfg = DecodeConfig(*values[:4], *map(bool, values[4:]))
+    if min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError("positive values, block_n a power of two")
+    return cfg
+
+
+def decode_launch_config(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
+                         max_keys: int = 1) -> DecodeConfig:
+    """The launch config for a decode batch on a GPU whose longest context has `max_keys` keys
+    (`decode_launch`)."""
+    return decode_launch(batch, max_splits, table).config(max_keys)
+
+
+def decode_launch(batch: int, max_splits: int = 8,
+                  table: Optional[LaunchTable] = None) -> DecodeLaunch:
+    """The launches for a decode batch on a GPU (`DecodeLaunch`). Splits: many when few requests must fill
     the GPU, few when the batch alone does (then more splits only add programs and merge work).
     A function of coarse batch ranges whose edges (16, 64) are default CUDA-graph sizes, so a
     batch and the graph it is padded to launch alike (graph replay == eager, bit for bit).
@@ -250,15 +298,30 @@ def decode_launch_config(batch: int, max_splits: int = 8,
     vs 6.02, 3,072 keys 11.7 vs 27.9. In the engine at batch 1 (128 + 128 tokens; decode graph
     ms, `benchmarks/ab_twentythird_session*.json`) it won in processes running batch 1 alone
     (1.0056 -> 0.9997 with one split, 1.0026 -> 1.0018 with 8) and lost in the decode
-    benchmark's process of batches 1, 32 and 128 (1.0087 -> 1.0197, 970.7 -> 962.8 tok/s)."""
+    benchmark's process of batches 1, 32 and 128 (1.0087 -> 1.0197, 970.7 -> 962.8 tok/s).
+    Twenty-fourth session: launches by context length (`DecodeLaunch.long`, decode graphs of
+    their own) up to 16 requests: past 257 keys 8 splits of 128-key blocks, 3 stages. Alone
+    (`gpu_attention.py --keys`, µs a call, the short config against the long one; `attn24`,
+    `attn24d`-`attn24g`): 2,048-4,096 keys at batch 1 28.3 vs 11.5, batch 2 32.6 vs 14.0, batch
+    4 34.7 vs 14.6, batch 8 37.3 vs 17.4, batch 16 42.7 vs 22.5; 8,192-16,384 keys at batch 1
+    109.2 vs 31.8, batch 2 81.2 vs 25.7; 300-1,000 keys at batch 1 6.00 vs 5.48, batch 4 9.74 vs
+    6.90, batch 16 11.81 vs 10.17. The per-head kernel (8 splits) was as fast at batch 1 and
+    2-4k keys (11.7 µs; in the engine at ~4k keys 2% faster a step, `long24d`) and slower past
+    8k (42.5) and at 2 requests and more; 8 splits of 256-key blocks with 8 warps were fastest
+    at 8-16k keys (25.7) and not measured shorter. At 17-32 requests 8 splits of 64 keys won a
+    little (3,000 keys 34.3 vs 39.0 µs; the engine's batch-32 step 2.457 -> 2.441 ms), not worth
+    a kernel compiled at every start-up; at 33-64 the short config stayed the best. In the engine
+    with a 3,968-token prompt (decode graph ms, `long24c`): batch 1 1.993 -> 1.362, 2 2.540 ->
+    1.839, 4 2.527 -> 1.869, 8 2.505 -> 1.943, 16 2.636 -> 2.142."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
-        cfg = next((c for edge, c in table if batch <= edge), table[-1][1])
-        return cfg._replace(splits=min(max_splits, cfg.splits))
+        launch = next((c for edge, c in table if batch <= edge), table[-1][1])
+        return launch.capped(max_splits)
     if batch <= 16:
-        return DecodeConfig(max_splits, num_stages=2, preload_kv=True)
+        return DecodeLaunch(DecodeConfig(max_splits, num_stages=2, preload_kv=True),
+                            DecodeConfig(max_splits, 128, 4, 3, True))
     if batch <= 64:
-        return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
-    return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)
+        return DecodeLaunch(DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2))
+    return DecodeLaunch(DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True))
 
 
 class DecodeScratch(NamedTuple):
