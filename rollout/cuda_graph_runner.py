@@ -161,7 +161,8 @@ class CudaGraphRunner:
         return [((bs, cls), max_seq_len) for bs in reversed(self.batch_sizes)
                 for cls, max_seq_len in enumerate(self.backend.decode_launch_classes(bs))]
 
-    def _capture_one(self, bs: int, max_seq_len: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, bs: int, max_seq_len: int,
+                     pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # the static inputs hold idle rows (one key each): only the host lengths say the class
         fb = self._static_batch(bs, [max_seq_len] * bs)
         self.backend.init_forward_metadata_capture(fb)

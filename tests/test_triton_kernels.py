@@ -263,11 +263,13 @@ def test_decode_launches_by_context_length():
         launch = decode.decode_launch(batch)
         assert launch.launch_classes() == (1, 258)
         assert decode.decode_launch_config(batch, max_keys=257) == launch.short
-        assert decode.decode_launch_config(batch, max_keys=258) == decode.DecodeConfig(8, 128, 4, 3, True)
+        long = decode.decode_launch_config(batch, max_keys=258)
+        assert long == decode.DecodeConfig(8, 128, 4, 3, True)
     assert decode.decode_launch(2, max_splits=2).long.splits == 2
     for batch in (17, 32, 64, 128, 256):
         assert decode.decode_launch(batch).launch_classes() == (1,)
-        assert decode.decode_launch_config(batch, max_keys=10 ** 5) == decode.decode_launch_config(batch)
+        assert (decode.decode_launch_config(batch, max_keys=10 ** 5)
+                == decode.decode_launch_config(batch))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,9 +7,9 @@ Stage 2: one program per (request, head) merges the splits (with one split, stag
 output itself and stage 2 does not run). Splitting the keys keeps the GPU
 busy when the batch is small and the sequences long; the number of splits is a constant, so
 the launch grid depends on the batch size (and, through `DecodeLaunch`, on whether the longest
-context is long: a CUDA graph is captured for each) and never on a device value. `DecodeConfig.per_head`
-launches decode_head.py's kernel instead (one program per query head; selectable through
-ROLLOUT_DECODE_ATTN_CONFIGS, no default launch uses it).
+context is long: a CUDA graph is captured for each) and never on a device value.
+`DecodeConfig.per_head` launches decode_head.py's kernel instead (one program per query head;
+selectable through ROLLOUT_DECODE_ATTN_CONFIGS, no default launch uses it).
 
 Contract: seq_lens[b] >= 1; request b's token j lives at slot req_to_token[req_pool_indices[b], j]."""
 from __future__ import annotations
@@ -204,7 +204,8 @@ class DecodeLaunch(NamedTuple):
 
     def capped(self, max_splits: int) -> "DecodeLaunch":
         """Splits capped by the scratch's."""
-        cap = lambda c: c if c is None else c._replace(splits=min(max_splits, c.splits))  # noqa: E731
+        def cap(c: Optional[DecodeConfig]) -> Optional[DecodeConfig]:
+            return c if c is None else c._replace(splits=min(max_splits, c.splits))
         return self._replace(short=cap(self.short), long=cap(self.long))
 
 
@@ -219,10 +220,11 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 
 def parse_launch_table(spec: str) -> LaunchTable:
-    """A launch table from "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head]][|LONG];..."
-    (e.g. "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
-    context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be
-    CUDA-graph sizes (a batch and the graph it is padded to then launch alike)."""
+    """A launch table from
+    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head]][|LONG];..." (e.g.
+    "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
+    context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be CUDA-graph sizes (a
+    batch and the graph it is padded to then launch alike)."""
     table = []
     for entry in filter(None, spec.replace(" ", "").split(";")):
         try:
@@ -263,10 +265,11 @@ def decode_launch_config(batch: int, max_splits: int = 8, table: Optional[Launch
 
 def decode_launch(batch: int, max_splits: int = 8,
                   table: Optional[LaunchTable] = None) -> DecodeLaunch:
-    """The launches for a decode batch on a GPU (`DecodeLaunch`). Splits: many when few requests must fill
-    the GPU, few when the batch alone does (then more splits only add programs and merge work).
-    A function of coarse batch ranges whose edges (16, 64) are default CUDA-graph sizes, so a
-    batch and the graph it is padded to launch alike (graph replay == eager, bit for bit).
+    """The launches for a decode batch on a GPU (`DecodeLaunch`). Splits: many when few
+    requests must fill the GPU, few when the batch alone does (then more splits only add
+    programs and merge work). A function of coarse batch ranges whose edges (16, 64) are default
+    CUDA-graph sizes, so a batch and the graph it is padded to launch alike (graph replay ==
+    eager, bit for bit), and of the context class (`DecodeLaunch.launch_class`).
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
     8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
@@ -306,13 +309,14 @@ def decode_launch(batch: int, max_splits: int = 8,
     4 34.7 vs 14.6, batch 8 37.3 vs 17.4, batch 16 42.7 vs 22.5; 8,192-16,384 keys at batch 1
     109.2 vs 31.8, batch 2 81.2 vs 25.7; 300-1,000 keys at batch 1 6.00 vs 5.48, batch 4 9.74 vs
     6.90, batch 16 11.81 vs 10.17. The per-head kernel (8 splits) was as fast at batch 1 and
-    2-4k keys (11.7 µs; in the engine at ~4k keys 2% faster a step, `long24d`) and slower past
-    8k (42.5) and at 2 requests and more; 8 splits of 256-key blocks with 8 warps were fastest
-    at 8-16k keys (25.7) and not measured shorter. At 17-32 requests 8 splits of 64 keys won a
-    little (3,000 keys 34.3 vs 39.0 µs; the engine's batch-32 step 2.457 -> 2.441 ms), not worth
-    a kernel compiled at every start-up; at 33-64 the short config stayed the best. In the engine
-    with a 3,968-token prompt (decode graph ms, `long24c`): batch 1 1.993 -> 1.362, 2 2.540 ->
-    1.839, 4 2.527 -> 1.869, 8 2.505 -> 1.943, 16 2.636 -> 2.142."""
+    2-4k keys (11.7 µs; in the engine at ~4k keys 6% faster a step, `long24d`), slower past 8k
+    (42.5) and at 2 requests and more, and one kernel more to compile at every start-up (2 s);
+    8 splits of 256-key blocks with 8 warps were the fastest at 8-16k keys (25.7) and not
+    measured shorter. At 17-32 requests 8 splits of 64 keys won a little (3,000 keys 34.3 vs
+    39.0 µs; the engine's batch-32 step 2.457 -> 2.441 ms), not worth a kernel compiled at
+    every start-up; at 33-64 the short config stayed the best. In the engine with a 3,968-token
+    prompt (decode graph ms, `long24c`): batch 1 2.003 -> 1.365, 2 2.430 -> 1.780, 4 2.485 ->
+    1.833, 8 2.485 -> 1.925, 16 2.611 -> 2.118."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         launch = next((c for edge, c in table if batch <= edge), table[-1][1])
         return launch.capped(max_splits)
