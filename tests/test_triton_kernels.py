@@ -477,23 +477,32 @@ def test_graph_runner_launch_classes_on_cpu(tiny_dirs, monkeypatch):
     runner = graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
     assert sorted(runner.graphs) == [(1, 0), (1, 1), (2, 0), (2, 1), (4, 0)]
     eager = RunnerDriver(path, **cfg)
+    backend = graphed.runner.attn_backend
     for prompts, keys in (([list(range(3, 18))], [(1, 0), (1, 0), (1, 1), (1, 1)]),
                           ([[5, 6, 7], list(range(2, 30))], [(2, 1)] * 4),
                           ([[5, 6, 7]] * 3, [(4, 0)] * 4)):
-        seen, logits = [], []
-        for driver in (graphed, eager):
-            out, tokens = driver.prefill([list(p) for p in prompts]), []
-            for _ in keys:
-                out = driver.decode(out.argmax(-1).tolist())
-                tokens.append(out)
-                if driver is graphed:
-                    seen.append(runner.last_key)
-                    bs, cls = runner.last_key
-                    launch = graphed.runner.attn_backend.decode_launch(bs)
-                    assert graphed.runner.attn_backend.meta.config == launch.config(17 + cls)
-            logits.append(torch.stack(tokens))
+        g_logits, e_logits, seen, configs = greedy_both(graphed, eager, prompts, len(keys))
         assert seen == keys
-        assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+        assert configs == [backend.decode_launch(bs).config(17 + cls) for bs, cls in keys]
+        assert (g_logits - e_logits).abs().max().item() <= 1e-5
+
+
+def greedy_both(graphed: RunnerDriver, eager: RunnerDriver, prompts, steps: int):
+    """Greedy decode steps of a graphed and an eager driver (each picking its own tokens): their
+    logits [steps, batch, vocab], the graph key each graphed step replayed and the attention
+    launch its metadata held."""
+    logits, seen, configs = [], [], []
+    runner = graphed.runner.graph_runner
+    for driver in (graphed, eager):
+        out, outs = driver.prefill([list(p) for p in prompts]), []
+        for _ in range(steps):
+            out = driver.decode(out.argmax(-1).tolist())
+            outs.append(out)
+            if driver is graphed:
+                seen.append(runner.last_key)
+                configs.append(graphed.runner.attn_backend.meta.config)
+        logits.append(torch.stack(outs))
+    return logits[0], logits[1], seen, configs
 
 
 def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
@@ -676,18 +685,10 @@ def test_cuda_graph_long_context_class_matches_eager(tiny_dirs):
     eager = RunnerDriver(path, device="cuda", attention_backend="triton", cuda_graph=False)
     for prompts, classes in (([list(range(1, 251))], [0] * 7 + [1] * 5),
                              ([list(range(3, 303)), [5, 6, 7]], [1] * 4)):
-        out, seen = {}, []
-        for driver in (graphed, eager):
-            logits, steps = driver.prefill([list(p) for p in prompts]), []
-            for _ in classes:
-                logits = driver.decode(logits.argmax(-1).tolist())
-                steps.append(logits)
-                if driver is graphed:
-                    seen.append(runner.last_key)
-            out[driver is graphed] = torch.stack(steps)
+        g_logits, e_logits, seen, _ = greedy_both(graphed, eager, prompts, len(classes))
         assert [key[1] for key in seen] == classes
-        assert out[True].argmax(-1).tolist() == out[False].argmax(-1).tolist()
-        assert (out[True] - out[False]).abs().max().item() <= 1e-3
+        assert g_logits.argmax(-1).tolist() == e_logits.argmax(-1).tolist()
+        assert (g_logits - e_logits).abs().max().item() <= 1e-3
 
 
 @gpu
