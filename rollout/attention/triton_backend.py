@@ -50,7 +50,7 @@ class TritonBackend(AttentionBackend):
         self.num_heads = mc.num_attention_heads // runner.tp.size
         self.head_dim = mc.head_dim
         self.device = runner.device
-        # At most this many KV splits (the scratch's size); `decode_config` picks per batch. The
+        # At most this many KV splits (the scratch's size); `decode_launch` picks per batch. The
         # interpreter runs one program at a time, where extra splits only cost time.
         self.num_kv_splits = 8 if self.device.type == "cuda" else 2
         self.launch_table = launch_table_from_env()  # None: decode_launch's own
