@@ -51,11 +51,15 @@ def model_dir_for(shape: str | TinyModelSpec) -> Path:
     return make_tiny_model(Path(tmp) / name, spec, with_tokenizer=False)
 
 
+def gpu_engine_config(model_dir: Path, max_running_requests: int, **overrides) -> EngineConfig:
+    """The GPU benchmarks' engine: bf16 on the GPU, every default (the profilers')."""
+    return EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
+                        max_running_requests=max_running_requests, **overrides)
+
+
 def gpu_engine(shape: str, max_running_requests: int) -> Engine:
-    """The engine on a random model of a benchmark shape, bf16 on the GPU (the profilers')."""
-    model_dir = model_dir_for(shape)
-    return Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
-                               max_running_requests=max_running_requests))
+    """The engine on a random model of a benchmark shape (`gpu_engine_config`)."""
+    return Engine(gpu_engine_config(model_dir_for(shape), max_running_requests))
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -112,14 +116,20 @@ def _summary(runs: list[tuple[int, float]]) -> dict:
             "all_seconds": [t for _, t in runs]}
 
 
-def compare(engine_call, hf_call, repeats: int) -> dict:
+def compare(engine_call, hf_call, repeats: int, after_engine=None) -> dict:
     """Engine and HF calls alternated (E, H, E, H, ...), so a slow spell of a shared machine hits
-    both; the speedup is the median of the per-pair ratios."""
-    pairs = [(engine_call(), hf_call()) for _ in range(repeats)]
+    both; the speedup is the median of the per-pair ratios. `after_engine` runs after each
+    engine call, before HF's (its last result is returned as "after_engine")."""
+    pairs, probe = [], None
+    for _ in range(repeats):
+        e = engine_call()
+        if after_engine is not None:
+            probe = after_engine()
+        pairs.append((e, hf_call()))
     e, h = [p[0] for p in pairs], [p[1] for p in pairs]
     ratios = [(te[0] / te[1]) / (th[0] / th[1]) for te, th in pairs]
     return {"engine": _summary(e), "hf": _summary(h), "speedup": statistics.median(ratios),
-            "pair_speedups": ratios}
+            "pair_speedups": ratios, "after_engine": probe}
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -226,15 +236,13 @@ def run(args) -> dict:
     for bs in args.batch_sizes:
         engine_call = engine_runner(engine, bs, args)
         if hf is not None:
-            row = {"batch": bs, **compare(engine_call, hf_runner(hf, bs, args), args.repeats)}
+            row = {"batch": bs, **compare(engine_call, hf_runner(hf, bs, args), args.repeats,
+                                          after_engine=lambda: graph_replay_ms(engine))}
+            row["graph_replay_ms"] = row.pop("after_engine")
         else:
             row = {"batch": bs, "engine": timed(engine_call, args.repeats)}
+            row["graph_replay_ms"] = graph_replay_ms(engine)
         row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
-        gr = engine.runner.graph_runner
-        if gr is not None and gr.last_key is not None:  # the decode step's GPU time alone:
-            # the graph of the calls' last step (their batch size, their longest context's class)
-            from benchmarks.cuda_timing import replay_seconds
-            row["graph_replay_ms"] = replay_seconds(gr.graphs[gr.last_key], 50) * 1e3
         if gemm is not None:  # CPU: the compute floor at each library's measured GEMM peak
             row["gemm_floor_tok_per_s"] = {k: cpu_floor_tok_per_s(engine, bs, args, v)
                                            for k, v in gemm.items()}
@@ -246,6 +254,18 @@ def run(args) -> dict:
             "copy_bandwidth_GBps": bandwidth / 1e9, "cpu_gemm_gflops": gemm,
             "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
+
+
+def graph_replay_ms(engine: Engine) -> float | None:
+    """The decode step's GPU time alone: the graph of the last call's last step (its batch
+    size, its longest context's class), 50 replays. Timed right after an engine call: after an
+    HF call (torch's eager kernels on the same stream) a replay's launch took 10x the host time
+    and the batch-1 replay 2% longer until the engine ran again (benchmarks/process_shape.py)."""
+    gr = engine.runner.graph_runner
+    if gr is None or gr.last_key is None:
+        return None
+    from benchmarks.cuda_timing import replay_seconds
+    return replay_seconds(gr.graphs[gr.last_key], 50) * 1e3
 
 
 def _load_hf(model_dir: Path, args):

@@ -182,6 +182,10 @@ class EngineConfig:
     # one-request prefills of up to this many tokens replay a CUDA graph of the next size up
     # (`prefill_graphs`); None: DEFAULT_PREFILL_GRAPH_TOKENS, (): none
     cuda_graph_prefill_tokens: Optional[tuple[int, ...]] = None
+    # threads that compile the graphs' Triton kernels before their capture
+    # (`triton_compile_ahead`); None: the process's CPU cores (at most 32), 0 or 1: each kernel
+    # at its first launch, one at a time
+    compile_workers: Optional[int] = None
     # Queue step N+1 before waiting for step N's tokens. None: on when device is a GPU and
     # tp_size is 1 (TP followers need the input ids on the host; on CPU nothing runs meanwhile).
     overlap_schedule: Optional[bool] = None
@@ -222,6 +226,10 @@ class EngineConfig:
         if self.overlap_schedule and self.tp_size > 1:
             raise ConfigError("overlap_schedule needs tp_size 1: TP followers take each step's input "
                               "ids from the leader's host copy")
+        if self.compile_workers is not None and (
+                isinstance(self.compile_workers, bool) or not isinstance(self.compile_workers, int)
+                or self.compile_workers < 0):
+            raise ConfigError(f"compile_workers must be None or an int >= 0, got {self.compile_workers!r}")
         if self.cuda_graph_batch_sizes is not None:
             self.cuda_graph_batch_sizes = _graph_sizes("cuda_graph_batch_sizes",
                                                        self.cuda_graph_batch_sizes, allow_empty=False)

@@ -10,7 +10,8 @@ the attention backend's static metadata (its `init_cuda_graph_state` /
 `init_forward_metadata_capture` / `init_forward_metadata_replay` hooks, which get the static
 batch: a backend reads the request rows and seq_lens from these buffers, not from copies of its
 own). Graphs are captured largest first into one shared memory pool, so the smaller graphs
-reuse the largest one's memory.
+reuse the largest one's memory. Before the first capture, every graph's Triton kernels are
+compiled in parallel threads (`triton_compile_ahead`; a cold start-up's compiles were most of it).
 
 Padding: a batch of 5 replays the graph of 8. Padded rows decode token 0 at position 0 of
 request row 0 with seq_len 1 and write their KV to slot 0, the dummy slot nobody reads as a
@@ -24,7 +25,9 @@ them again on resume."""
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -34,6 +37,7 @@ from rollout import pdl_policy, triton_graph_inputs
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
 from rollout.graph_capture import capture_graph
 from rollout.prefill_graphs import PrefillGraphs
+from rollout.triton_compile_ahead import AheadStats, compile_ahead, default_workers
 
 if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
@@ -105,6 +109,8 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.last_key: Optional[tuple[int, int]] = None  # the graph replayed last
+        self.ahead = AheadStats()  # the last capture's compiles ahead
+        self.capture_s = 0.0
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
         self.enabled = True
         try:
@@ -140,15 +146,19 @@ class CudaGraphRunner:
         """Capture every graph, from idle static inputs: after replays they hold the last real
         batch (a prefill's token count, real KV slots), which a capture's warm-up forward would
         read and write."""
+        start = time.perf_counter()
         self.inputs.reset()
         if self.prefill is not None:
             self.prefill.reset_inputs()
         self._capture_graphs()
+        self.capture_s = time.perf_counter() - start  # compiles ahead included
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for key, max_seq_len in self.graph_keys():  # largest first: the others fit in its pool
+        keys = self.graph_keys()
+        self._compile_ahead(keys)
+        for key, max_seq_len in keys:  # largest first: the others fit in its pool
             self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, pool)
         logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs),
                     self.batch_sizes)
@@ -160,6 +170,26 @@ class CudaGraphRunner:
         largest batch first."""
         return [((bs, cls), max_seq_len) for bs in reversed(self.batch_sizes)
                 for cls, max_seq_len in enumerate(self.backend.decode_launch_classes(bs))]
+
+    def _compile_ahead(self, keys: list[tuple[tuple[int, int], int]]) -> None:
+        """Every graph's Triton kernels compiled in parallel threads before the first capture
+        (triton_compile_ahead); the dummy KV slot the skipped kernels' garbage may have reached
+        is zeroed after."""
+        mr = self.model_runner
+        workers = mr.config.compile_workers
+        forwards = [functools.partial(self._compile_forward, key[0], max_seq_len)
+                    for key, max_seq_len in keys]
+        if self.prefill is not None:
+            forwards += self.prefill.compile_forwards()
+        self.ahead = compile_ahead(forwards, default_workers() if workers is None else workers,
+                                   mr.device)
+        if self.ahead.compiled or self.ahead.failed:
+            mr.clear_kv_cache()
+
+    def _compile_forward(self, bs: int, max_seq_len: int) -> None:
+        fb = self._static_batch(bs, [max_seq_len] * bs)
+        self.backend.init_forward_metadata_capture(fb)
+        self._forward(fb)
 
     def _capture_one(self, bs: int, max_seq_len: int,
                      pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -225,12 +225,15 @@ class ModelRunner:
         # Zeroed before any capture: the capture's warm-up forward reads req_to_token (garbage
         # slot ids there are out-of-bounds reads) and padded rows read the dummy slot 0.
         if "kv_cache" in todo:
-            for t in self._tensors_of("kv_cache"):
-                t.zero_()
+            self.clear_kv_cache()
         if not self.released and self.graph_runner is not None:
             self.graph_runner.recapture()
-            for t in self._tensors_of("kv_cache"):  # no NaNs from a warm-up on undefined weights
-                t.zero_()
+            self.clear_kv_cache()  # no NaNs from a warm-up on undefined weights
+
+    def clear_kv_cache(self) -> None:
+        """Zeroes the KV pool and req_to_token (no request may hold slots)."""
+        for t in self._tensors_of("kv_cache"):
+            t.zero_()
 
     def _tensors_of(self, tag: str) -> list[torch.Tensor]:
         if tag == "kv_cache":

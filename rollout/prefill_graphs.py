@@ -21,6 +21,7 @@ device tensors (`AttentionBackend.supports_extend_graphs`) and tp_size 1."""
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,10 @@ class PrefillGraphs:
         for size in reversed(self.token_sizes):  # largest first: the others fit in its memory
             self.graphs[size], self.outputs[size] = self._capture_one(size, pool)
         logger.info("captured prefill CUDA graphs for %s tokens", self.token_sizes)
+
+    def compile_forwards(self) -> list:
+        """What each graph runs, for `triton_compile_ahead` (not captured)."""
+        return [functools.partial(self.forward, self.static_batch(size)) for size in self.token_sizes]
 
     def reset_inputs(self) -> None:
         """The idle token table and request row (before a capture)."""

@@ -1,0 +1,113 @@
+"""Engine start-up with a cold Triton cache: the graphs' kernels compiled ahead in threads
+(`EngineConfig.compile_workers`) against one at a time (0), side by side in one run.
+
+Each start-up is its own process with an empty Triton cache (as on a fresh machine): the
+decode benchmark's engine (Qwen2-1.5B shape, bf16, sized for 128 requests), timed from the
+`Engine(...)` call to its return (load + compiles + graph capture), then its first `generate`
+(one request, 4 tokens: the kernels outside the graphs, e.g. the sampler's, compile there).
+Variants alternate round by round; a last process per variant starts again on its warm cache.
+
+  python benchmarks/startup_time.py --workers 0 16 --rounds 2 --out $OUT/startup.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def watch_compiles() -> dict:
+    """Counts Triton compiles (disk-cache loads included) by phase and kernel: in the
+    compile-ahead threads, in a graph capture, elsewhere."""
+    import collections
+    import threading
+
+    from triton import knobs
+
+    from rollout import cuda_graph_runner
+
+    counts: dict = collections.defaultdict(collections.Counter)
+    capturing = [False]
+
+    def post_compile(*, fn, **_):
+        worker = threading.current_thread().name.startswith("triton-compile")
+        phase = "ahead" if worker else "capture" if capturing[0] else "other"
+        counts[phase][fn.name] += 1
+
+    real = cuda_graph_runner.capture_graph
+
+    def watched(forward, pool):
+        capturing[0] = True
+        try:
+            return real(forward, pool)
+        finally:
+            capturing[0] = False
+
+    knobs.runtime.jit_post_compile_hook = post_compile
+    cuda_graph_runner.capture_graph = watched
+    return counts
+
+
+def child(workers: int) -> dict:
+    import torch
+
+    from benchmarks.decode_throughput import gpu_engine_config, model_dir_for
+    from rollout import Engine, SamplingParams
+
+    compiles = watch_compiles()
+    model_dir = model_dir_for("qwen2-1.5b")
+    t0 = time.perf_counter()
+    engine = Engine(gpu_engine_config(model_dir, 128, compile_workers=workers))
+    torch.cuda.synchronize()
+    startup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    torch.cuda.synchronize()
+    ahead = engine.runner.graph_runner.ahead
+    return {"workers": workers, "startup_s": round(startup, 2),
+            "first_generate_s": round(time.perf_counter() - t0, 2),
+            "capture_s": round(engine.runner.graph_runner.capture_s, 2), "ahead": vars(ahead),
+            "compiles": {phase: dict(c) for phase, c in compiles.items()}}
+
+
+def run_child(workers: int, cache: Path, timeout: float) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    proc = subprocess.run([sys.executable, __file__, "--child", str(workers)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return {"workers": workers, "error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 16])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=180)
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child)), flush=True)
+        return
+    runs = []
+    root = Path(tempfile.mkdtemp(prefix="startup-"))
+    for r in range(args.rounds):
+        for w in args.workers:
+            runs.append({"round": r, "cache": "cold", **run_child(w, root / f"{w}_{r}", args.timeout_s)})
+            print(json.dumps(runs[-1]), flush=True)
+    for w in args.workers:  # the last round's cache, now warm
+        runs.append({"round": args.rounds - 1, "cache": "warm",
+                     **run_child(w, root / f"{w}_{args.rounds - 1}", args.timeout_s)})
+        print(json.dumps(runs[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"cpus": os.cpu_count(), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Compiling the graphs' Triton kernels ahead, in threads (rollout/triton_compile_ahead.py).
+
+CPU: the hook's bookkeeping against a stand-in kernel (the forwards' launches skipped, later
+launches of a queued variant finding a no-op in its cache, removed before any compile, one
+compile per specialization: in the calling thread while each is a cache load, in the pool from
+the first real compile on, the workers' own compiles let through, a failed
+compile left to the first launch) and the config's validation. GPU: a cold start-up in a fresh process (empty Triton
+cache) compiles its kernels in the worker threads and none while capturing, and the engine
+decodes the tokens of an engine whose kernels compiled one at a time."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout import triton_compile_ahead
+from rollout.errors import ConfigError
+from rollout.triton_compile_ahead import (MAX_WORKERS, NOT_LAUNCHED, AheadStats, _AheadCompiler,
+                                          compile_ahead, default_workers)
+
+
+class _StandInKernel:
+    """What the hook sees of a JITFunction: its name and `preload`."""
+
+    def __init__(self, name: str, fail: bool = False, compile_s: float = 0.0):
+        self.module, self.name, self.fail, self.compile_s = "tests", name, fail, compile_s
+        self.jit_function = self
+        self.preloaded: list[tuple[str, str]] = []
+        self.device_caches = {0: ({}, {}, None, None, None)}  # Triton's layout: cache first
+
+    @property
+    def cache(self) -> dict:
+        return self.device_caches[0][0]
+
+    def preload(self, spec: str) -> None:
+        self.preloaded.append((spec, threading.current_thread().name))
+        time.sleep(self.compile_s)  # 0: a load from Triton's disk cache
+        if self.fail:
+            raise RuntimeError("no such kernel")
+
+
+def _launch(compiler: _AheadCompiler, kernel: _StandInKernel, spec: str):
+    """A launch as Triton's JITFunction.run makes it: the hook only on a cache miss."""
+    if spec in kernel.cache:
+        return kernel.cache[spec].run()
+    return compiler.hook(key=spec, repr="r", fn=kernel,
+                         compile={"specialization_data": spec, "device": 0},
+                         is_manual_warmup=False, already_compiled=False)
+
+
+def test_hook_skips_launches_and_compiles_each_specialization_once():
+    compiler = _AheadCompiler(2, torch.device("cpu"))
+    norm, gemv = _StandInKernel("norm"), _StandInKernel("gemv")
+    for layer in range(3):  # three layers launching the same variants: a miss at the first
+        answer = None if layer else True  # (skipped), the stand-in's no-op launch after
+        assert _launch(compiler, norm, '{"BLOCK": 1}') is answer
+        assert _launch(compiler, gemv, '{"M": 1}') is answer
+        assert _launch(compiler, gemv, '{"M": 16}') is answer
+    assert norm.cache['{"BLOCK": 1}'] is NOT_LAUNCHED and len(gemv.cache) == 2
+    compiler.remove_stand_ins()
+    assert norm.cache == {} and gemv.cache == {}  # no stand-in may outlive the forwards
+    assert compiler.compile_all() == (3, 0)
+    assert sorted(s for s, _ in norm.preloaded) == ['{"BLOCK": 1}']
+    assert sorted(s for s, _ in gemv.preloaded) == sorted(['{"M": 1}', '{"M": 16}'])
+    # loads from the disk cache (fast): all in the calling thread, no pool
+    assert {t for k in (norm, gemv) for _, t in k.preloaded} == {threading.current_thread().name}
+
+
+def test_the_queue_goes_to_threads_after_the_first_real_compile(monkeypatch):
+    monkeypatch.setattr(triton_compile_ahead, "CACHE_LOAD_S", 0.01)
+    compiler = _AheadCompiler(2, torch.device("cpu"))
+    kernels = [_StandInKernel(f"k{i}", compile_s=0.02) for i in range(4)]
+    for k in kernels:
+        _launch(compiler, k, "{}")
+    compiler.remove_stand_ins()
+    assert compiler.compile_all() == (4, 0)
+    threads = [k.preloaded[0][1] for k in kernels]
+    assert threads[0] == threading.current_thread().name  # it took longer than a cache load
+    assert all(t.startswith("triton-compile") for t in threads[1:])
+
+
+def test_hook_lets_a_workers_own_compile_through():
+    compiler = _AheadCompiler(1, torch.device("cpu"))
+    kernel, answers = _StandInKernel("k"), []
+    worker = threading.Thread(target=lambda: answers.append(_launch(compiler, kernel, "{}")))
+    worker.start()
+    worker.join()
+    assert answers == [None]  # a worker's preload goes on to compile
+    assert compiler.compile_all() == (0, 0) and kernel.preloaded == []
+
+
+def test_a_failed_compile_is_counted_and_left_to_the_first_launch(caplog):
+    compiler = _AheadCompiler(2, torch.device("cpu"))
+    good, bad = _StandInKernel("good"), _StandInKernel("bad", fail=True)
+    _launch(compiler, good, "{}")
+    _launch(compiler, bad, "{}")
+    with caplog.at_level("WARNING"):
+        assert compiler.compile_all() == (1, 1)
+    assert "tests.bad" in caplog.text and "first launch" in caplog.text
+
+
+def test_compile_ahead_is_off_without_compiled_kernels_or_threads():
+    ran = []
+    forward = lambda: ran.append(1)  # noqa: E731
+    assert compile_ahead([forward], workers=1, device=torch.device("cpu")) == AheadStats()
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        assert compile_ahead([forward], workers=4, device=torch.device("cpu")) == AheadStats()
+    assert ran == []  # nothing to compile: the forwards are not run at all
+    assert 1 <= default_workers() <= MAX_WORKERS
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "4"])
+def test_compile_workers_is_validated(bad):
+    with pytest.raises(ConfigError, match="compile_workers"):
+        EngineConfig(compile_workers=bad)
+
+
+_COLD_START = textwrap.dedent("""
+    import json, sys, threading
+    import torch
+    from triton import knobs
+    from rollout import cuda_graph_runner
+    from rollout.engine import Engine
+    from rollout.config import EngineConfig
+    from rollout.sampling_params import SamplingParams
+
+    compiles = {"worker": 0, "main": 0, "capturing": 0}
+    capturing = [False]
+
+    def post_compile(**kw):
+        worker = threading.current_thread().name.startswith("triton-compile")
+        compiles["worker" if worker else "main"] += 1
+        compiles["capturing"] += capturing[0]
+
+    knobs.runtime.jit_post_compile_hook = post_compile
+    real_capture = cuda_graph_runner.capture_graph
+
+    def watched_capture(forward, pool):
+        capturing[0] = True
+        try:
+            return real_capture(forward, pool)
+        finally:
+            capturing[0] = False
+
+    cuda_graph_runner.capture_graph = watched_capture
+    kw = dict(model_path=sys.argv[1], device="cuda", dtype="bfloat16", max_running_requests=8,
+              cuda_graph_batch_sizes=(1, 2, 8), cuda_graph_prefill_tokens=(16, 64))
+    ahead = Engine(EngineConfig(**kw, compile_workers=4))
+    counts = dict(compiles, ahead=ahead.runner.graph_runner.ahead.compiled)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = [o.token_ids for o in ahead.generate(prompts, sp)]
+    one = [o.token_ids for o in ahead.generate(prompts[:1], sp)]
+    ahead.shutdown()
+    serial = Engine(EngineConfig(**kw, compile_workers=0))
+    print(json.dumps({"counts": counts, "tokens": tokens, "one": one,
+                      "serial": [o.token_ids for o in serial.generate(prompts, sp)],
+                      "serial_one": [o.token_ids for o in serial.generate(prompts[:1], sp)]}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cold_start_compiles_ahead_and_capture_compiles_nothing(tiny_dirs, tmp_path):
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    proc = subprocess.run([sys.executable, "-c", _COLD_START, tiny_dirs["Qwen2ForCausalLM"]],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = out["counts"]
+    # a cold cache: the first variant compiled in the calling thread, the rest in the pool
+    assert counts["worker"] > 0 and counts["ahead"] >= counts["worker"], counts
+    assert counts["capturing"] == 0, counts  # every graph's kernels were compiled ahead
+    assert out["tokens"] == out["serial"] and out["one"] == out["serial_one"]
