@@ -22,14 +22,15 @@ from pathlib import Path
 
 
 def watch_compiles() -> dict:
-    """Counts Triton compiles (disk-cache loads included) by phase and kernel: in the
-    compile-ahead threads, in a graph capture, elsewhere."""
+    """Counts Triton compiles (disk-cache loads included) by phase and kernel from now on:
+    "ahead" (the compile-ahead pool's threads), "capture" (inside any graph capture, decode or
+    prefill), "other" (elsewhere, e.g. the compile-ahead's calling thread or a first generate)."""
     import collections
     import threading
 
     from triton import knobs
 
-    from rollout import cuda_graph_runner
+    from rollout import cuda_graph_runner, graph_capture, prefill_graphs
 
     counts: dict = collections.defaultdict(collections.Counter)
     capturing = [False]
@@ -39,17 +40,15 @@ def watch_compiles() -> dict:
         phase = "ahead" if worker else "capture" if capturing[0] else "other"
         counts[phase][fn.name] += 1
 
-    real = cuda_graph_runner.capture_graph
-
     def watched(forward, pool):
         capturing[0] = True
         try:
-            return real(forward, pool)
+            return graph_capture.capture_graph(forward, pool)
         finally:
             capturing[0] = False
 
     knobs.runtime.jit_post_compile_hook = post_compile
-    cuda_graph_runner.capture_graph = watched
+    cuda_graph_runner.capture_graph = prefill_graphs.capture_graph = watched
     return counts
 
 

@@ -50,7 +50,8 @@ def default_workers() -> int:
 class _NotLaunched:
     """Stands in a kernel's in-memory cache for a queued variant while the forwards run: its
     next launches (the other layers') find it and launch nothing, where each miss would build
-    the hook's arguments again (a warm start-up spent ~5 s on those)."""
+    the hook's arguments again (on an H200 host a warm start-up took 9.4 s without them, 6.0 s
+    with them; 4.5 and 3.6 s without compiling ahead)."""
 
     function = packed_metadata = None
 
@@ -65,7 +66,7 @@ NOT_LAUNCHED = _NotLaunched()
 
 
 class _AheadCompiler:
-    """Collects the specializations the forwards launch, then compiles them in a thread pool."""
+    """Collects the specializations the forwards launch, then compiles them."""
 
     def __init__(self, workers: int, device: torch.device):
         self.workers, self.device = workers, device
@@ -94,10 +95,10 @@ class _AheadCompiler:
 
     def compile_all(self) -> tuple[int, int]:
         """Compiles every queued specialization; (compiled, failed). In this thread while each
-        comes from Triton's disk cache (a load is mostly Python: 16 threads loading a warm
-        cache took 2.9 s where one took ~1.5), the rest `workers` at a time from the first that
-        takes longer than a load (a real compile). Only after the forwards: threads loading
-        beside them slowed them too."""
+        comes from Triton's disk cache (a load is mostly Python: 16 threads loaded a warm
+        cache's 59 variants in 2.9 s, one thread in 0.6), the rest `workers` at a time from the
+        first that takes longer than a load (a real compile). Only after the forwards: threads
+        loading beside them slowed them too."""
         queue, results = list(self.pending.items()), {}
         while queue:
             key, preload = queue.pop(0)

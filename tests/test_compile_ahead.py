@@ -1,12 +1,12 @@
 """Compiling the graphs' Triton kernels ahead, in threads (rollout/triton_compile_ahead.py).
 
 CPU: the hook's bookkeeping against a stand-in kernel (the forwards' launches skipped, later
-launches of a queued variant finding a no-op in its cache, removed before any compile, one
+launches of a queued variant finding a no-op in its cache, removed before any compile; one
 compile per specialization: in the calling thread while each is a cache load, in the pool from
-the first real compile on, the workers' own compiles let through, a failed
-compile left to the first launch) and the config's validation. GPU: a cold start-up in a fresh process (empty Triton
-cache) compiles its kernels in the worker threads and none while capturing, and the engine
-decodes the tokens of an engine whose kernels compiled one at a time."""
+the first real compile on; the workers' own compiles let through; a failed compile left to the
+first launch) and the config's validation. GPU: a cold start-up in a fresh process (empty Triton
+cache) compiles its kernels ahead, none while capturing any graph, and the engine decodes the
+tokens of an engine whose kernels compiled one at a time."""
 from __future__ import annotations
 
 import json
@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from rollout.config import EngineConfig
 from rollout import triton_compile_ahead
+from rollout.config import EngineConfig
 from rollout.errors import ConfigError
 from rollout.triton_compile_ahead import (MAX_WORKERS, NOT_LAUNCHED, AheadStats, _AheadCompiler,
                                           compile_ahead, default_workers)
@@ -124,37 +124,18 @@ def test_compile_workers_is_validated(bad):
 
 
 _COLD_START = textwrap.dedent("""
-    import json, sys, threading
-    import torch
-    from triton import knobs
-    from rollout import cuda_graph_runner
+    import json, sys
+    from benchmarks.startup_time import watch_compiles
     from rollout.engine import Engine
     from rollout.config import EngineConfig
     from rollout.sampling_params import SamplingParams
 
-    compiles = {"worker": 0, "main": 0, "capturing": 0}
-    capturing = [False]
-
-    def post_compile(**kw):
-        worker = threading.current_thread().name.startswith("triton-compile")
-        compiles["worker" if worker else "main"] += 1
-        compiles["capturing"] += capturing[0]
-
-    knobs.runtime.jit_post_compile_hook = post_compile
-    real_capture = cuda_graph_runner.capture_graph
-
-    def watched_capture(forward, pool):
-        capturing[0] = True
-        try:
-            return real_capture(forward, pool)
-        finally:
-            capturing[0] = False
-
-    cuda_graph_runner.capture_graph = watched_capture
+    compiles = watch_compiles()
     kw = dict(model_path=sys.argv[1], device="cuda", dtype="bfloat16", max_running_requests=8,
               cuda_graph_batch_sizes=(1, 2, 8), cuda_graph_prefill_tokens=(16, 64))
     ahead = Engine(EngineConfig(**kw, compile_workers=4))
-    counts = dict(compiles, ahead=ahead.runner.graph_runner.ahead.compiled)
+    counts = {phase: sum(c.values()) for phase, c in compiles.items()}
+    counts["compiled_ahead"] = ahead.runner.graph_runner.ahead.compiled
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
     sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in ahead.generate(prompts, sp)]
@@ -165,18 +146,63 @@ _COLD_START = textwrap.dedent("""
                       "serial": [o.token_ids for o in serial.generate(prompts, sp)],
                       "serial_one": [o.token_ids for o in serial.generate(prompts[:1], sp)]}))
 """)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cold_start_compiles_ahead_and_capture_compiles_nothing(tiny_dirs, tmp_path):
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _COLD_START, tiny_dirs["Qwen2ForCausalLM"]],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     counts = out["counts"]
     # a cold cache: the first variant compiled in the calling thread, the rest in the pool
-    assert counts["worker"] > 0 and counts["ahead"] >= counts["worker"], counts
-    assert counts["capturing"] == 0, counts  # every graph's kernels were compiled ahead
+    assert counts.get("ahead", 0) > 0 and counts["compiled_ahead"] >= counts["ahead"], counts
+    assert counts.get("capture", 0) == 0, counts  # every graph's kernels were compiled ahead
     assert out["tokens"] == out["serial"] and out["one"] == out["serial_one"]
+
+
+def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, monkeypatch):
+    """The graph runner's own `_capture_graphs` on CPU, CUDA's pieces stood in: compile_ahead
+    gets one runnable forward per decode graph (batch size x launch class) and per prefill
+    graph before the first capture, the KV pool is zeroed after it, and a recapture (as
+    resume_memory makes) does not compile ahead again: every variant is in memory by then."""
+    from types import SimpleNamespace
+
+    from rollout import cuda_graph_runner, prefill_graphs
+    from rollout.cuda_graph_runner import CudaGraphRunner
+    from tests.helpers import DEV, RunnerDriver
+
+    calls = []
+
+    def compile_ahead_stand_in(forwards, workers, device):
+        forwards = list(forwards)
+        for forward in forwards:
+            forward()
+        calls.append(len(forwards))
+        return AheadStats(compiled=len(forwards), workers=workers)
+
+    def capture_stand_in(forward, pool):
+        return SimpleNamespace(replay=forward), forward()
+
+    monkeypatch.setattr(cuda_graph_runner, "compile_ahead", compile_ahead_stand_in)
+    monkeypatch.setattr(cuda_graph_runner, "capture_graph", capture_stand_in)
+    monkeypatch.setattr(prefill_graphs, "capture_graph", capture_stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], device=DEV.type, attention_backend="triton",
+                          cuda_graph=False, cuda_graph_batch_sizes=(1, 2, 4),
+                          cuda_graph_prefill_tokens=(16, 32), compile_workers=3)
+    cleared = []
+    monkeypatch.setattr(driver.runner, "clear_kv_cache", lambda: cleared.append(len(calls)))
+    runner = CudaGraphRunner(driver.runner)
+    keys = runner.graph_keys()
+    assert len(keys) == 5  # (1, 0), (1, 1), (2, 0), (2, 1), (4, 0): two classes up to 16 on CPU
+    assert calls == [len(keys) + 2] and cleared == [1]
+    assert runner.ahead == AheadStats(compiled=len(keys) + 2, workers=3)
+    assert sorted(runner.graphs) == sorted(k for k, _ in keys)
+    runner.release()
+    runner.recapture()
+    assert calls == [len(keys) + 2] and cleared == [1] and len(runner.graphs) == len(keys)
