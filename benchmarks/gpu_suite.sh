@@ -399,19 +399,19 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
-    # twenty-third session: the decode attention a program per query head (decode_head.py):
-    # the GPU specs of the attention kernels, the kernels alone, the engine A/B at batch 1
-    # twenty-fifth session: the batch-1 decode graph in the decode benchmark's process, timed
-    # through its states (engine alone, HF loaded, right after HF calls, idle, HF freed) beside
-    # nvidia-smi's clocks (benchmarks/process_shape.py)
-    # cold start-ups (an empty Triton cache each) with the graphs' kernels compiled ahead in
-    # threads and one at a time, alternated, then each once more on its warm cache
+    # twenty-fifth session: cold start-ups (an empty Triton cache each) with the graphs' kernels
+    # compiled ahead in threads and one at a time, alternated, then each once more on its warm
+    # cache; the compile-ahead GPU spec; the batch-1 decode graph in the decode benchmark's
+    # process, timed through its states (engine alone, right after HF calls, after one action
+    # each) beside nvidia-smi's clocks (benchmarks/process_shape.py)
     startup25) run startup25 560 python3 benchmarks/startup_time.py --workers 16 0 --rounds 2 \
               --timeout-s 120 --out "$OUT/startup25.json" ;;
     ahead25) run ahead25 400 python3 -m pytest -q -m gpu tests/test_compile_ahead.py tests/test_overlap_schedule.py \
               -p no:cacheprovider ;;
     shape25) run shape25 300 python3 benchmarks/process_shape.py --out "$OUT/shape25.json" \
               --smi-log "$OUT/shape25_smi.csv" ;;
+    # twenty-third session: the decode attention a program per query head (decode_head.py):
+    # the GPU specs of the attention kernels, the kernels alone, the engine A/B at batch 1
     # twenty-fourth session: the per-head kernel in one split at batch 1 in the decode benchmark's
     # process shape; batches 1-8 at long contexts alone (split + merge vs per-head splits); the
     # engine at batch 1 and 4 with a 3,968-token prompt, split + merge vs per-head

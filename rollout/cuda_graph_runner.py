@@ -175,8 +175,8 @@ class CudaGraphRunner:
 
     def _compile_ahead(self, keys: list[tuple[tuple[int, int], int]]) -> None:
         """Every graph's Triton kernels compiled in parallel threads before the first capture
-        (triton_compile_ahead); the dummy KV slot the skipped kernels' garbage may have reached
-        is zeroed after."""
+        (triton_compile_ahead); the KV pool, which the forwards' torch ops may have written from
+        the skipped kernels' garbage (the dummy slot), is zeroed after."""
         mr = self.model_runner
         workers = mr.config.compile_workers
         self.ahead_done = True

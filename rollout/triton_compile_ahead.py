@@ -11,9 +11,10 @@ How: `compile_ahead(forwards, workers, device)` runs each forward once with Trit
 its specialization (the JSON that `JITFunction.preload` takes) is queued, once per (kernel,
 specialization). Torch and cuBLAS ops in those forwards run on whatever the skipped kernels left
 in their outputs; nothing of it is read on the host (a forward that is captured has no host
-sync) and the capture runs every forward again for real. Then a thread pool compiles the queue
-(or loads it from Triton's disk cache); on return every variant sits in its kernel's in-memory
-cache, so the capture compiles nothing.
+sync) and the capture runs every forward again for real. Then the queue is compiled: in the
+calling thread while each variant loads from Triton's disk cache, in a pool of `workers` threads
+from the first real compile on. On return every variant sits in its kernel's in-memory cache,
+so the capture compiles nothing.
 
 A variant that fails to compile ahead is left to its first launch, which compiles it as
 before (and raises there if it cannot be compiled at all): compiling ahead only saves time.
