@@ -109,8 +109,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.last_key: Optional[tuple[int, int]] = None  # the graph replayed last
-        self.ahead = AheadStats()  # the first capture's compiles ahead
-        self.ahead_done = False
+        self.ahead = AheadStats()  # the first capture's compiles ahead (workers 0: none yet)
         self.capture_s = 0.0
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
         self.enabled = True
@@ -158,7 +157,7 @@ class CudaGraphRunner:
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         keys = self.graph_keys()
-        if not self.ahead_done:  # a recapture (resume_memory) finds every variant in memory
+        if not self.ahead.workers:  # a recapture (resume_memory) finds every variant in memory
             self._compile_ahead(keys)
         for key, max_seq_len in keys:  # largest first: the others fit in its pool
             self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, pool)
@@ -179,7 +178,6 @@ class CudaGraphRunner:
         the skipped kernels' garbage (the dummy slot), is zeroed after."""
         mr = self.model_runner
         workers = mr.config.compile_workers
-        self.ahead_done = True
         forwards = [functools.partial(self._compile_forward, key[0], max_seq_len)
                     for key, max_seq_len in keys]
         if self.prefill is not None:

@@ -71,14 +71,14 @@ class _AheadCompiler:
 
     def __init__(self, workers: int, device: torch.device):
         self.workers, self.device = workers, device
-        self.owner = threading.get_ident()  # the forwards' thread: the workers' own compiles pass
+        self.owner = threading.get_ident()  # the forwards' thread: other threads' launches pass
         self.pending: dict[tuple[str, str], Callable[[str], object]] = {}
         self.stand_ins: list[tuple[dict, str]] = []  # (a kernel's in-memory cache, key)
 
     def hook(self, *, key, fn, compile, **_) -> bool | None:
         """Triton's jit_cache_hook: True skips the launch (its compile is queued)."""
         if threading.get_ident() != self.owner:
-            return None  # a worker's preload: compile here
+            return None  # another thread of the process (e.g. another engine's): as usual
         self.pending.setdefault((f"{fn.module}.{fn.name}", compile["specialization_data"]),
                                 fn.jit_function.preload)
         cache = _kernel_cache(fn.jit_function, compile.get("device"))
