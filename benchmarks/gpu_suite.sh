@@ -399,6 +399,14 @@ for stage in "$@"; do
               run parity19 220 bash -c 'PYTHONPATH=/tmp/base19:$PYTHONPATH python3 benchmarks/sample_dump.py --out $OUT/samples_before.json \
               && python3 benchmarks/sample_dump.py --out $OUT/samples_now.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
+    # twenty-sixth session: the one-request prefill graphs with the decode forwards' early PDL
+    # trigger: their GPU spec under it, the prefill alone (one new token) and the batch-1 call,
+    # on and off alternated (benchmarks/ab_twentysixth_session.json)
+    prefill26) run prefill26 300 env ROLLOUT_PDL_EARLY_PREFILL_GRAPHS=1 python3 -m pytest -q -m gpu \
+              tests/test_triton_kernels.py -k "prefill_graphs" -p no:cacheprovider ;;
+    pre26) run pre26 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session.json \
+              --rounds 3 --batch-sizes 1 --new-tokens 1 --repeats 30 --timeout-s 120 --out "$OUT/pre26.json" ;;
+    ab26a) ab_stage ab26a benchmarks/ab_twentysixth_session.json 300 1 ;;
     # twenty-fifth session: cold start-ups (an empty Triton cache each) with the graphs' kernels
     # compiled ahead in threads and one at a time, alternated, then each once more on its warm
     # cache; the compile-ahead GPU spec; the batch-1 decode graph in the decode benchmark's
