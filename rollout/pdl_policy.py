@@ -9,8 +9,7 @@ kernels that load weights before their wait (the one-row FMA GEMVs' register pre
 trigger after it, since early they would pull their successors' preloads into the
 latency-bound attention chain — unless the caller says otherwise (`preloaders_early`: the o
 projection, whose early trigger lets the MLP's gate/up start loading its weights during o).
-Prefill and the sampler: after the wait — but the one-request prefill graphs
-(`prefill_graph_forward`) when ROLLOUT_PDL_EARLY_PREFILL_GRAPHS=1 (twenty-sixth session's A/B). On an H200 (fourteenth session,
+Prefill and the sampler: after the wait (not measured early). On an H200 (fourteenth session,
 decode graph replay, medians of two rounds): `benchmarks/ab_fourteenth_session.json`, the
 preloading GEMVs after the wait: batch 1 1.1413 → 1.1280 ms, 32 1.5616 → 1.5525, 64 1.5931 →
 1.5753, 128 1.8620 → 1.8473 (every kernel early lost at batch 1: 1.1398 → 1.1518); then
@@ -56,12 +55,6 @@ def preloaders_early() -> contextlib.AbstractContextManager:
 def for_forward(fb) -> contextlib.AbstractContextManager:
     """The policy's context around a forward (a ForwardBatch; a decode graph's capture too)."""
     return decode_forward(fb.forward_mode.is_decode)
-
-
-def prefill_graph_forward() -> contextlib.AbstractContextManager:
-    """Around a one-request prefill graph's forward (and its capture): the decode forwards'
-    policy there when ROLLOUT_PDL_EARLY_PREFILL_GRAPHS=1, else the prefill's (after the wait)."""
-    return _set("decode", os.environ.get("ROLLOUT_PDL_EARLY_PREFILL_GRAPHS", "0") == "1")
 
 
 def triggers_early(preloads_weights: bool = False) -> bool:

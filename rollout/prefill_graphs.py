@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout import pdl_policy
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.graph_capture import capture_graph
 
@@ -83,10 +82,9 @@ class PrefillGraphs:
         the logits of the request's last row ([1, vocab] float32)."""
         model = self.model_runner.model
         fb.attn_backend.init_forward_metadata(fb)
-        with pdl_policy.prefill_graph_forward():  # captured: the replays launch as the capture did
-            hidden = model(fb.input_ids, fb.positions, fb)
-            last = hidden.index_select(0, fb.extend_seq_lens - 1)
-            return model.compute_logits(last, fb)  # fb.return_all_logits: every row given, i.e. one
+        hidden = model(fb.input_ids, fb.positions, fb)
+        last = hidden.index_select(0, fb.extend_seq_lens - 1)
+        return model.compute_logits(last, fb)  # fb.return_all_logits: every row given, i.e. one
 
     def static_batch(self, size: int) -> ForwardBatch:
         """A one-request EXTEND batch of `size` token rows, views of the static buffers. Its host
