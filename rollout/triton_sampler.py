@@ -158,7 +158,7 @@ def _chunk_stats(Logits, stride_row, Temps, CMax, CSum, V, C, CHUNK: tl.constexp
     tl.store(CSum + row * C + cs, tl.sum(_terms(x, m_c[:, None], COMPILED), axis=1), mask=c_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # one variant for every batch (compiled ahead)
 def _pick(Logits, stride_row, Temps, Greedy, U, CMax, CSum, Tokens, Logprobs, Packed, B, V, C,
           CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, UNIT_T: tl.constexpr,
           COMPILED: tl.constexpr, USE_PDL: tl.constexpr):

@@ -5,8 +5,9 @@ launches of a queued variant finding a no-op in its cache, removed before any co
 compile per specialization: in the calling thread while each is a cache load, in the pool from
 the first real compile on; other threads' launches let through; a failed compile left to the
 first launch) and the config's validation. GPU: a cold start-up in a fresh process (empty Triton
-cache) compiles its kernels ahead, none while capturing any graph, and the engine decodes the
-tokens of an engine whose kernels compiled one at a time."""
+cache) compiles its kernels ahead, none while capturing any graph and none at its first
+`generate` (the step's kernels outside the graphs too), and the engine decodes the tokens of an
+engine whose kernels compiled one at a time."""
 from __future__ import annotations
 
 import json
@@ -131,6 +132,7 @@ _COLD_START = textwrap.dedent("""
     from rollout.sampling_params import SamplingParams
 
     compiles = watch_compiles()
+    total = lambda: sum(sum(c.values()) for c in compiles.values())
     kw = dict(model_path=sys.argv[1], device="cuda", dtype="bfloat16", max_running_requests=8,
               cuda_graph_batch_sizes=(1, 2, 8), cuda_graph_prefill_tokens=(16, 64))
     ahead = Engine(EngineConfig(**kw, compile_workers=4))
@@ -138,8 +140,13 @@ _COLD_START = textwrap.dedent("""
     counts["compiled_ahead"] = ahead.runner.graph_runner.ahead.compiled
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
     sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    tokens = [o.token_ids for o in ahead.generate(prompts, sp)]
+    at_start = total()
+    # one request: its prefill and decode graphs and the step's kernels, all compiled ahead
     one = [o.token_ids for o in ahead.generate(prompts[:1], sp)]
+    counts["first_generate"] = total() - at_start
+    ahead.generate(prompts[:1], SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
+    counts["sampled_generate"] = total() - at_start - counts["first_generate"]  # T != 1
+    tokens = [o.token_ids for o in ahead.generate(prompts, sp)]
     ahead.shutdown()
     serial = Engine(EngineConfig(**kw, compile_workers=0))
     print(json.dumps({"counts": counts, "tokens": tokens, "one": one,
@@ -162,6 +169,8 @@ def test_cold_start_compiles_ahead_and_capture_compiles_nothing(tiny_dirs, tmp_p
     # a cold cache: the first variant compiled in the calling thread, the rest in the pool
     assert counts.get("ahead", 0) > 0 and counts["compiled_ahead"] >= counts["ahead"], counts
     assert counts.get("capture", 0) == 0, counts  # every graph's kernels were compiled ahead
+    # and the kernels a step launches outside the graphs (sampler, graph inputs, slot writes)
+    assert counts["first_generate"] == 0 and counts["sampled_generate"] == 0, counts
     assert out["tokens"] == out["serial"] and out["one"] == out["serial_one"]
 
 
@@ -200,9 +209,13 @@ def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, mo
     runner = CudaGraphRunner(driver.runner)
     keys = runner.graph_keys()
     assert len(keys) == 5  # (1, 0), (1, 1), (2, 0), (2, 1), (4, 0): two classes up to 16 on CPU
-    assert calls == [len(keys) + 2] and cleared == [1]
-    assert runner.ahead == AheadStats(compiled=len(keys) + 2, workers=3)
+    # + the step's kernels outside the graphs: the sampler at one row (max_bs < 64) for float32
+    # logits, T = 1 and not; the graph-input kernel with and without pending ids; the slot write
+    step = 2 + 2 + 1
+    assert calls == [len(keys) + 2 + step] and cleared == [1]
+    assert runner.ahead == AheadStats(compiled=len(keys) + 2 + step, workers=3)
+    assert torch.equal(runner.inputs.table, runner.inputs.pad)  # the stand-ins left them idle
     assert sorted(runner.graphs) == sorted(k for k, _ in keys)
     runner.release()
     runner.recapture()
-    assert calls == [len(keys) + 2] and cleared == [1] and len(runner.graphs) == len(keys)
+    assert calls == [len(keys) + 2 + step] and cleared == [1] and len(runner.graphs) == len(keys)

@@ -14,7 +14,9 @@ from rollout.triton_pdl import launch_options, pdl_wait
 BLOCK = 1024  # tokens a program: one program for any decode batch
 
 
-@triton.jit
+# the token count and the index rows' addresses (views of a step's packed array, aligned by
+# its length) not specialized on: one variant for every batch, compiled ahead (cuda_graph_runner)
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["Rows", "Positions", "Slots"])
 def _write_slots_kernel(Table, Rows, Positions, Slots, n, stride_table, stride_rows, stride_pos,
                         stride_slots, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
