@@ -205,6 +205,10 @@ def main() -> None:
                    help="one-request prefills run eagerly (decode graphs stay)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="tokens a prefill step may compute (default: the engine's)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="the engine's max_running_requests (default: the largest batch size)")
+    p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None,
+                   help="decode graph batch sizes (default: the engine's)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -224,7 +228,8 @@ def run(args) -> dict:
                                  attention_backend=args.attention_backend,
                                  cuda_graph=not args.no_cuda_graph,
                                  cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
-                                 max_running_requests=max(args.batch_sizes),
+                                 max_running_requests=args.max_running or max(args.batch_sizes),
+                                 cuda_graph_batch_sizes=args.graph_batch_sizes and tuple(args.graph_batch_sizes),
                                  max_prefill_tokens=args.max_prefill_tokens,
                                  kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
     _sync(args.device)

@@ -401,12 +401,29 @@ for stage in "$@"; do
               && python3 benchmarks/sample_dump.py --compare $OUT/samples_before.json $OUT/samples_now.json' ;;
     # twenty-sixth session: the one-request prefill graphs with the decode forwards' early PDL
     # trigger: their GPU spec under it, the prefill alone (one new token) and the batch-1 call,
-    # on and off alternated (benchmarks/ab_twentysixth_session.json)
+    # on and off alternated (benchmarks/ab_twentysixth_session.json; the switch was removed in
+    # 1454af7: no gain)
     prefill26) run prefill26 300 env ROLLOUT_PDL_EARLY_PREFILL_GRAPHS=1 python3 -m pytest -q -m gpu \
               tests/test_triton_kernels.py -k "prefill_graphs" -p no:cacheprovider ;;
     pre26) run pre26 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session.json \
               --rounds 3 --batch-sizes 1 --new-tokens 1 --repeats 30 --timeout-s 120 --out "$OUT/pre26.json" ;;
     ab26a) ab_stage ab26a benchmarks/ab_twentysixth_session.json 300 1 ;;
+    # the step's kernels outside the graphs compiled ahead too: the GPU specs of the compile-ahead
+    # and of the kernels whose batch sizes are no longer specialized; a cold and a warm start-up
+    ahead26) run ahead26 400 python3 -m pytest -q -m gpu tests/test_compile_ahead.py tests/test_graph_inputs.py \
+              tests/test_triton_sampler.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
+    startup26) run startup26 300 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
+              --timeout-s 120 --out "$OUT/startup26.json" ;;
+    # the per-head decode attention at batch 1 against the split kernel, by the engine's sizing
+    # (benchmarks/ab_twentysixth_session_b.json)
+    shape26) run shape26 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session_b.json \
+              --rounds 2 --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/shape26.json" ;;
+    # the batch-1 decode graph's Triton variants by the engine's sizing (graph_variants.py)
+    variants26) run variants26 300 python3 benchmarks/graph_variants.py --shapes 128: 128:1 1: \
+              --out "$OUT/variants26.json" ;;
+    # the batch-1 graph's memory: own pools, capture order (benchmarks/ab_twentysixth_session_c.json)
+    pool26) run pool26 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session_c.json \
+              --rounds 2 --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/pool26.json" ;;
     # twenty-fifth session: cold start-ups (an empty Triton cache each) with the graphs' kernels
     # compiled ahead in threads and one at a time, alternated, then each once more on its warm
     # cache; the compile-ahead GPU spec; the batch-1 decode graph in the decode benchmark's
