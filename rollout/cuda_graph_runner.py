@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -162,14 +161,8 @@ class CudaGraphRunner:
         keys = self.graph_keys()
         if not self.ahead.workers:  # a recapture (resume_memory) finds every variant in memory
             self._compile_ahead(keys)
-        # A/B (twenty-sixth session): graphs up to ROLLOUT_GRAPH_OWN_POOL_BS in a pool of their own
-        own_bs = int(os.environ.get("ROLLOUT_GRAPH_OWN_POOL_BS", "0"))
-        own_pool = torch.cuda.graph_pool_handle() if own_bs else None
-        if os.environ.get("ROLLOUT_GRAPH_CAPTURE_SMALLEST_FIRST") == "1":
-            keys = keys[::-1]
         for key, max_seq_len in keys:  # largest first: the others fit in its pool
-            graph_pool = own_pool if own_pool is not None and key[0] <= own_bs else pool
-            self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, graph_pool)
+            self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, pool)
         logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs),
                     self.batch_sizes)
         if self.prefill is not None:
