@@ -427,6 +427,9 @@ for stage in "$@"; do
     # the batch-1 graph: all graph sizes, sizes 1 and 128, size 1 (ab_twentysixth_session_d.json)
     sizes26) run sizes26 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session_d.json \
               --rounds 2 --batch-sizes 1 --repeats 2 --timeout-s 120 --out "$OUT/sizes26.json" ;;
+    # the batch-1 graph with static inputs or attention scratch of its own (ab_twentysixth_session_e.json)
+    tiers26) run tiers26 330 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session_e.json \
+              --rounds 2 --batch-sizes 1 --repeats 2 --timeout-s 100 --out "$OUT/tiers26.json" ;;
     # twenty-fifth session: cold start-ups (an empty Triton cache each) with the graphs' kernels
     # compiled ahead in threads and one at a time, alternated, then each once more on its warm
     # cache; the compile-ahead GPU spec; the batch-1 decode graph in the decode benchmark's

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -114,6 +115,11 @@ class CudaGraphRunner:
         self.ahead = AheadStats()  # the first capture's compiles ahead (workers 0: none yet)
         self.capture_s = 0.0
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
+        # A/B (twenty-sixth session, tiers26): graphs up to ROLLOUT_GRAPH_SMALL_INPUTS_BS requests
+        # read static inputs of their own, that many rows wide
+        tier = int(os.environ.get("ROLLOUT_GRAPH_SMALL_INPUTS_BS", "0"))
+        self.small_inputs = (GraphInputs.allocate(tier, model_runner.device)
+                             if 0 < tier < self.max_bs else None)
         self.enabled = True
         try:
             self.backend.init_cuda_graph_state(self.max_bs)
@@ -150,6 +156,8 @@ class CudaGraphRunner:
         read and write."""
         start = time.perf_counter()
         self.inputs.reset()
+        if self.small_inputs is not None:
+            self.small_inputs.reset()
         if self.prefill is not None:
             self.prefill.reset_inputs()
         self._capture_graphs()
@@ -241,7 +249,7 @@ class CudaGraphRunner:
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch of bs rows whose tensors are views of the static buffers."""
-        b, mr = self.inputs, self.model_runner
+        b, mr = self._inputs_for(bs), self.model_runner
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs],
             positions=b.positions[:bs], req_pool_indices=b.req_pool_indices[:bs],
@@ -250,6 +258,10 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
             req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
             attn_backend=self.backend)
+
+    def _inputs_for(self, bs: int) -> GraphInputs:
+        small = self.small_inputs
+        return small if small is not None and bs <= small.table.shape[1] else self.inputs
 
     # ---- replay ---------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -267,7 +279,7 @@ class CudaGraphRunner:
         bs = fb.batch_size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         key = (graph_bs, self.backend.decode_launch_class(graph_bs, fb.max_seq_len))
-        self.inputs.fill(fb, graph_bs, self.model_runner)
+        self._inputs_for(graph_bs).fill(fb, graph_bs, self.model_runner)
         padded_lens = list(fb.seq_lens_cpu) + [1] * (graph_bs - bs)
         self.backend.init_forward_metadata_replay(self._static_batch(graph_bs, padded_lens))
         self.graphs[key].replay()
