@@ -5,7 +5,8 @@ decode kernels launch by the batch's longest context (the Triton backend's, past
 16 requests), a batch size has a graph per class and a replay takes the batch's.
 
 Every graph reads its inputs from one set of static buffers sized for the largest batch (a graph
-of size bs reads their first bs rows), filled before each replay (`GraphInputs.fill`), and
+of size bs reads their first bs rows; the smallest graphs, batch 1 by default, from a set of
+their own: `SMALL_INPUTS_BS`), filled before each replay (`GraphInputs.fill`), and
 the attention backend's static metadata (its `init_cuda_graph_state` /
 `init_forward_metadata_capture` / `init_forward_metadata_replay` hooks, which get the static
 batch: a backend reads the request rows and seq_lens from these buffers, not from copies of its
@@ -54,6 +55,24 @@ PAD_VALUES = dict(input_ids=0, positions=0, out_cache_loc=0, token_req_pool_indi
                   req_pool_indices=0, seq_lens=1)
 PAD_FIELDS = tuple(PAD_VALUES)
 assert PAD_FIELDS == INDEX_FIELDS[:len(PAD_FIELDS)]
+
+
+def _small_inputs_bs() -> int:
+    """ROLLOUT_GRAPH_SMALL_INPUTS_BS (default 1; 0: every graph reads the shared inputs)."""
+    spec = os.environ.get("ROLLOUT_GRAPH_SMALL_INPUTS_BS", "1")
+    if not spec.isdigit():
+        raise ValueError(f"ROLLOUT_GRAPH_SMALL_INPUTS_BS={spec!r}: want a batch size (0: off)")
+    return int(spec)
+
+
+# The graphs of up to this many requests read static inputs of their own, that many rows wide.
+# Twenty-sixth session, H200, the decode benchmark's engine (sized for 128 requests): the
+# batch-1 graph replayed in 1.0056 ms from rows of the shared [6, 128] table (each field 1 KB
+# from the next), in 1.0021 from a [6, 1] table of its own (its six values in one 48-byte span)
+# — the speed of an engine sized for one request (`tiers26`, `sizes26`, `shape26` in
+# docs/BENCHMARKS.md: not the graphs' pool, their number, the attention's scratch or the
+# kernels' compiled code). Larger sizes were not measured.
+SMALL_INPUTS_BS = _small_inputs_bs()
 
 
 @dataclass
@@ -115,11 +134,9 @@ class CudaGraphRunner:
         self.ahead = AheadStats()  # the first capture's compiles ahead (workers 0: none yet)
         self.capture_s = 0.0
         self.inputs = GraphInputs.allocate(self.max_bs, model_runner.device)
-        # A/B (twenty-sixth session, tiers26): graphs up to ROLLOUT_GRAPH_SMALL_INPUTS_BS requests
-        # read static inputs of their own, that many rows wide
-        tier = int(os.environ.get("ROLLOUT_GRAPH_SMALL_INPUTS_BS", "0"))
-        self.small_inputs = (GraphInputs.allocate(tier, model_runner.device)
-                             if 0 < tier < self.max_bs else None)
+        # the graphs of up to SMALL_INPUTS_BS requests: static inputs of their own, that wide
+        self.small_inputs = (GraphInputs.allocate(SMALL_INPUTS_BS, model_runner.device)
+                             if 0 < SMALL_INPUTS_BS < self.max_bs else None)
         self.enabled = True
         try:
             self.backend.init_cuda_graph_state(self.max_bs)
@@ -260,6 +277,7 @@ class CudaGraphRunner:
             attn_backend=self.backend)
 
     def _inputs_for(self, bs: int) -> GraphInputs:
+        """The static inputs the graph of `bs` requests reads."""
         small = self.small_inputs
         return small if small is not None and bs <= small.table.shape[1] else self.inputs
 

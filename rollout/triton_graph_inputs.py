@@ -24,7 +24,7 @@ BLOCK = 256  # rows a program: one program for any captured batch up to 256
 # the batch's sizes (and the index rows' addresses, views of a step's packed array) are not
 # specialized on: one compiled variant serves every batch, so the engine compiles it ahead
 # (cuda_graph_runner) instead of at a first `generate` of each new batch-size class
-@triton.jit(do_not_specialize=["stride_src", "bs", "graph_bs"],
+@triton.jit(do_not_specialize=["stride_src", "stride_table", "stride_pad", "bs", "graph_bs"],
             do_not_specialize_on_alignment=["Src", "Tokens"])
 def _fill_kernel(Src, stride_src, Table, stride_table, Pad, stride_pad, Tokens, ReqToToken,
                  stride_r2t, bs, graph_bs, NUM_FIELDS: tl.constexpr, HAS_TOKENS: tl.constexpr,

@@ -487,6 +487,35 @@ def test_graph_runner_launch_classes_on_cpu(tiny_dirs, monkeypatch):
         assert (g_logits - e_logits).abs().max().item() <= 1e-5
 
 
+def test_graph_runner_small_graphs_read_inputs_of_their_own(tiny_dirs, monkeypatch):
+    """The batch-1 graphs (SMALL_INPUTS_BS, default 1) read a [6, 1] static table of their own
+    (on an H200 the shared table's rows, max_bs x 8 bytes apart, cost the batch-1 step ~3.5 µs),
+    the others the shared one: one request, then two, then one again decode with the eager
+    forward's logits, and the backend's metadata reads the table of the graph replayed."""
+    from rollout import cuda_graph_runner
+    from rollout.cuda_graph_runner import CudaGraphRunner
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
+               cuda_graph_batch_sizes=(1, 2, 4), cuda_graph_prefill_tokens=())
+    graphed = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **cfg)
+    runner = graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
+    eager = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **cfg)
+    assert cuda_graph_runner.SMALL_INPUTS_BS == 1
+    small, shared = runner.small_inputs, runner.inputs
+    assert small.table.shape == (6, 1) and shared.table.shape == (6, 4)
+    meta = lambda: graphed.runner.attn_backend.meta  # noqa: E731
+    for prompts, table in (([[3, 4, 5]], small), ([[5, 6, 7], [8, 9]], shared), ([[7] * 9], small)):
+        g_logits, e_logits, seen, _ = greedy_both(graphed, eager, prompts, 3)
+        assert [bs for bs, _ in seen] == [len(prompts)] * 3
+        assert (g_logits - e_logits).abs().max().item() <= 1e-5
+        assert meta().seq_lens.data_ptr() == table.seq_lens.data_ptr()
+    for bad in ("-1", "one", "1.5"):
+        monkeypatch.setenv("ROLLOUT_GRAPH_SMALL_INPUTS_BS", bad)
+        with pytest.raises(ValueError, match="ROLLOUT_GRAPH_SMALL_INPUTS_BS"):
+            cuda_graph_runner._small_inputs_bs()
+
+
 def greedy_both(graphed: RunnerDriver, eager: RunnerDriver, prompts, steps: int):
     """Greedy decode steps of a graphed and an eager driver (each picking its own tokens): their
     logits [steps, batch, vocab], the graph key each graphed step replayed and the attention

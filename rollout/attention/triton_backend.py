@@ -7,7 +7,6 @@ before each replay, so a replay copies nothing here; `init_cuda_graph_state` all
 scratch for the largest graph batch. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -123,12 +122,6 @@ class TritonBackend(AttentionBackend):
         (its arrival counters too: only one graph replays at a time)."""
         self.graph_scratch = decode_buffers(max_bs, self.num_heads, self.head_dim, self.num_kv_splits,
                                             self.device)
-        # A/B (twenty-sixth session, tiers26): graphs up to ROLLOUT_GRAPH_SMALL_SCRATCH_BS requests
-        # use a scratch of their own, that many rows
-        tier = int(os.environ.get("ROLLOUT_GRAPH_SMALL_SCRATCH_BS", "0"))
-        self.graph_scratch_small = (decode_buffers(tier, self.num_heads, self.head_dim,
-                                                   self.num_kv_splits, self.device)
-                                    if 0 < tier < max_bs else None)
 
     def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
         self.init_forward_metadata_replay(fb)
@@ -141,11 +134,7 @@ class TritonBackend(AttentionBackend):
         if self.graph_scratch is None:
             raise RuntimeError("init_cuda_graph_state must be called before capturing graphs")
         bs = fb.batch_size
-        source = self.graph_scratch
-        small = getattr(self, "graph_scratch_small", None)
-        if small is not None and bs <= small[0].shape[0]:
-            source = small
-        scratch = DecodeScratch(*(t[:bs] for t in source))
+        scratch = DecodeScratch(*(t[:bs] for t in self.graph_scratch))
         self.meta = self._decode_metadata(fb, scratch)
 
 
