@@ -77,8 +77,8 @@ SMALL_INPUTS_BS = _small_inputs_bs()
 
 @dataclass
 class GraphInputs:
-    """Static input buffers for the largest graph: rows of one [6, max_bs] int64 table (each
-    holds the padded-row value when idle)."""
+    """Static input buffers for the graphs of up to max_bs rows: rows of one [6, max_bs] int64
+    table (each holds the padded-row value when idle)."""
 
     table: torch.Tensor
     pad: torch.Tensor  # the padded-row values, the table's shape
