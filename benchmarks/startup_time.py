@@ -53,6 +53,11 @@ def watch_compiles() -> dict:
     return counts
 
 
+def compile_total(counts: dict) -> int:
+    """Compiles counted by `watch_compiles` so far, every phase."""
+    return sum(sum(c.values()) for c in counts.values())
+
+
 def child(workers: int) -> dict:
     import torch
 
@@ -65,14 +70,14 @@ def child(workers: int) -> dict:
     engine = Engine(gpu_engine_config(model_dir, 128, compile_workers=workers))
     torch.cuda.synchronize()
     startup = time.perf_counter() - t0
-    before = sum(sum(c.values()) for c in compiles.values())
+    before = compile_total(compiles)
     t0 = time.perf_counter()
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
     ahead = engine.runner.graph_runner.ahead
     return {"workers": workers, "startup_s": round(startup, 2),
             "first_generate_s": round(time.perf_counter() - t0, 2),
-            "first_generate_compiles": sum(sum(c.values()) for c in compiles.values()) - before,
+            "first_generate_compiles": compile_total(compiles) - before,
             "capture_s": round(engine.runner.graph_runner.capture_s, 2), "ahead": vars(ahead),
             "compiles": {phase: dict(c) for phase, c in compiles.items()}}
 
