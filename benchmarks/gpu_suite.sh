@@ -410,6 +410,12 @@ for stage in "$@"; do
     ab26a) ab_stage ab26a benchmarks/ab_twentysixth_session.json 300 1 ;;
     # the step's kernels outside the graphs compiled ahead too: the GPU specs of the compile-ahead
     # and of the kernels whose batch sizes are no longer specialized; a cold and a warm start-up
+    # twenty-seventh session: per-head attention at batch 1 with the small graph inputs; wider
+    # own input tables at batches 4 and 16; the first multi-request generates' compiles
+    ab27a) ab_stage ab27a benchmarks/ab_twentyseventh_session.json 240 1 ;;
+    ab27b) ab_stage ab27b benchmarks/ab_twentyseventh_session_b.json 260 4 16 ;;
+    startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
+              --timeout-s 150 --out "$OUT/startup27.json" ;;
     ahead26) run ahead26 400 python3 -m pytest -q -m gpu tests/test_compile_ahead.py tests/test_graph_inputs.py \
               tests/test_triton_sampler.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
     startup26) run startup26 300 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
