@@ -7,7 +7,7 @@ decode benchmark's engine (Qwen2-1.5B shape, bf16, sized for 128 requests), time
 (one request, 4 tokens; the kernels outside the graphs, e.g. the sampler's, are compiled ahead
 too since the twenty-sixth session: `first_generate_compiles` counts what still compiles there),
 then the first `generate` of several requests of each kind a rollout starts with (eager
-multi-request prefills: 8 ragged prompts, then 128 prompts of 128 tokens; `first_batches`: their
+multi-request prefills: 4 and 8 ragged prompts, then 128 prompts of 128 tokens; `first_batches`: their
 seconds and what each compiled, by kernel).
 Variants alternate round by round; a last process per variant starts again on its warm cache.
 
@@ -77,31 +77,39 @@ def child(workers: int) -> dict:
     t0 = time.perf_counter()
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
-    first_batches = []
-    for name, prompts in _first_batches():
-        before = {phase: dict(c) for phase, c in compiles.items()}
-        t0 = time.perf_counter()
-        engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True, seed=1))
-        torch.cuda.synchronize()
-        new = {f"{phase}:{k}": n - before.get(phase, {}).get(k, 0)
-               for phase, c in compiles.items() for k, n in c.items()}
-        first_batches.append({"batch": name, "s": round(time.perf_counter() - t0, 2),
-                              "compiled": {k: n for k, n in new.items() if n}})
+    first = {"first_generate_s": round(time.perf_counter() - t0, 2),
+             "first_generate_compiles": compile_total(compiles) - before}
     ahead = engine.runner.graph_runner.ahead
-    return {"first_batches": first_batches, "workers": workers, "startup_s": round(startup, 2),
-            "first_generate_s": round(time.perf_counter() - t0, 2),
-            "first_generate_compiles": compile_total(compiles) - before,
+    return {"workers": workers, "startup_s": round(startup, 2), **first,
+            "first_batches": [_first_batch(engine, name, prompts, compiles)
+                              for name, prompts in _first_batches()],
             "capture_s": round(engine.runner.graph_runner.capture_s, 2), "ahead": vars(ahead),
             "compiles": {phase: dict(c) for phase, c in compiles.items()}}
 
 
+def _first_batch(engine, name: str, prompts: list[list[int]], compiles: dict) -> dict:
+    """One first `generate` of several requests: its seconds and the variants it compiled."""
+    import torch
+
+    from rollout import SamplingParams
+
+    counted = {phase: dict(c) for phase, c in compiles.items()}
+    t0 = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True, seed=1))
+    torch.cuda.synchronize()
+    new = {f"{phase}:{k}": n - counted.get(phase, {}).get(k, 0)
+           for phase, c in compiles.items() for k, n in c.items()}
+    return {"batch": name, "s": round(time.perf_counter() - t0, 2),
+            "compiled": {k: n for k, n in new.items() if n}}
+
+
 def _first_batches() -> list[tuple[str, list[list[int]]]]:
     """Multi-request batches of the kinds a rollout starts with: ragged short prompts (one
-    eager prefill of 8 requests, 5-61 tokens), then the decode benchmark's 128 x 128 (two
-    prefill chunks of 8,192 tokens)."""
+    eager prefill of 4 requests, 68 tokens: the skinny GEMMs' rows; of 8, 264 tokens: cuBLAS),
+    then the decode benchmark's 128 x 128 (two prefill chunks of 8,192 tokens)."""
     ragged = [[(7 * i + j) % 1000 + 1 for j in range(5 + 8 * i)] for i in range(8)]
     full = [[(i + j) % 1000 + 1 for j in range(128)] for i in range(128)]
-    return [("8 ragged", ragged), ("128 x 128", full)]
+    return [("4 ragged", ragged[:4]), ("8 ragged", ragged), ("128 x 128", full)]
 
 
 def run_child(workers: int, cache: Path, timeout: float) -> dict:
