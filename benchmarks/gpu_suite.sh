@@ -408,8 +408,6 @@ for stage in "$@"; do
     pre26) run pre26 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentysixth_session.json \
               --rounds 3 --batch-sizes 1 --new-tokens 1 --repeats 30 --timeout-s 120 --out "$OUT/pre26.json" ;;
     ab26a) ab_stage ab26a benchmarks/ab_twentysixth_session.json 300 1 ;;
-    # the step's kernels outside the graphs compiled ahead too: the GPU specs of the compile-ahead
-    # and of the kernels whose batch sizes are no longer specialized; a cold and a warm start-up
     # twenty-seventh session: per-head attention at batch 1 with the small graph inputs; wider
     # own input tables at batches 4 and 16; the first multi-request generates' compiles
     ab27a) ab_stage ab27a benchmarks/ab_twentyseventh_session.json 240 1 ;;
@@ -418,6 +416,12 @@ for stage in "$@"; do
     lead27) run lead27 200 python3 benchmarks/prefill_host_lead.py --batch 128 --cprofile 30 --out "$OUT/lead27.json" ;;
     startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
               --timeout-s 150 --out "$OUT/startup27.json" ;;
+    # the eager multi-request prefills compiled ahead (eager_prefill_ahead), extend / embed
+    # kernels unspecialized on their index views' alignment: the GPU specs touched, a start-up
+    ahead27) run ahead27 500 python3 -m pytest -q -m gpu tests/test_compile_ahead.py tests/test_triton_kernels.py tests/test_triton_embed.py \
+              tests/test_fused_ops.py -p no:cacheprovider ;;
+    # the step's kernels outside the graphs compiled ahead too: the GPU specs of the compile-ahead
+    # and of the kernels whose batch sizes are no longer specialized; a cold and a warm start-up
     ahead26) run ahead26 400 python3 -m pytest -q -m gpu tests/test_compile_ahead.py tests/test_graph_inputs.py \
               tests/test_triton_sampler.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
     startup26) run startup26 300 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rollout import pdl_policy, sampler, triton_graph_inputs, triton_sampler
+from rollout import eager_prefill_ahead, pdl_policy, sampler, triton_graph_inputs, triton_sampler
 from rollout.forward_batch import INDEX_FIELDS, ForwardBatch, ForwardMode
 from rollout.graph_capture import capture_graph
 from rollout.prefill_graphs import PrefillGraphs
@@ -201,15 +201,16 @@ class CudaGraphRunner:
 
     def _compile_ahead(self, keys: list[tuple[tuple[int, int], int]]) -> None:
         """Every graph's Triton kernels compiled in parallel threads before the first capture
-        (triton_compile_ahead); the KV pool, which the forwards' torch ops may have written from
-        the skipped kernels' garbage (the dummy slot), is zeroed after."""
+        (triton_compile_ahead), with the step's kernels outside the graphs and the eager
+        multi-request prefills' (`eager_prefill_ahead`); the KV pool, which the forwards may have
+        written (the skipped kernels' garbage, the stand-in prefills' keys), is zeroed after."""
         mr = self.model_runner
         workers = mr.config.compile_workers
         forwards = [functools.partial(self._compile_forward, key[0], max_seq_len)
                     for key, max_seq_len in keys]
         if self.prefill is not None:
             forwards += self.prefill.compile_forwards()
-        forwards += self._step_forwards()
+        forwards += self._step_forwards() + eager_prefill_ahead.stand_in_forwards(mr)
         self.ahead = compile_ahead(forwards, default_workers() if workers is None else workers,
                                    mr.device)
         if self.ahead.compiled or self.ahead.failed:

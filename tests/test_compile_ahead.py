@@ -145,7 +145,10 @@ _COLD_START = textwrap.dedent("""
     counts["first_generate"] = compile_total(compiles) - at_start
     ahead.generate(prompts[:1], SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
     counts["sampled_generate"] = compile_total(compiles) - at_start - counts["first_generate"]  # T != 1
+    before = compile_total(compiles)
+    # several requests: an eager prefill of 3 requests and 28 tokens, rows no graph reaches
     tokens = [o.token_ids for o in ahead.generate(prompts, sp)]
+    counts["batch_generate"] = compile_total(compiles) - before
     ahead.shutdown()
     serial = Engine(EngineConfig(**kw, compile_workers=0))
     print(json.dumps({"counts": counts, "tokens": tokens, "one": one,
@@ -170,6 +173,8 @@ def test_cold_start_compiles_ahead_and_capture_compiles_nothing(tiny_dirs, tmp_p
     assert counts.get("capture", 0) == 0, counts  # every graph's kernels were compiled ahead
     # and the kernels a step launches outside the graphs (sampler, graph inputs, slot writes)
     assert counts["first_generate"] == 0 and counts["sampled_generate"] == 0, counts
+    # and the eager multi-request prefill's (eager_prefill_ahead's stand-ins)
+    assert counts["batch_generate"] == 0, counts
     assert out["tokens"] == out["serial"] and out["one"] == out["serial_one"]
 
 
@@ -180,7 +185,7 @@ def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, mo
     resume_memory makes) does not compile ahead again: every variant is in memory by then."""
     from types import SimpleNamespace
 
-    from rollout import cuda_graph_runner, prefill_graphs
+    from rollout import cuda_graph_runner, eager_prefill_ahead, prefill_graphs
     from rollout.cuda_graph_runner import CudaGraphRunner
     from tests.helpers import DEV, RunnerDriver
 
@@ -211,10 +216,55 @@ def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, mo
     # + the step's kernels outside the graphs: the sampler at one row (max_bs < 64) for float32
     # logits, T = 1 and not; the graph-input kernel with and without pending ids; the slot write
     step = 2 + 2 + 1
-    assert calls == [len(keys) + 2 + step] and cleared == [1]
-    assert runner.ahead == AheadStats(compiled=len(keys) + 2 + step, workers=3)
+    # + the eager multi-request prefills, one a row class (this engine's budget holds them all)
+    eager = len(eager_prefill_ahead.STAND_IN_TOKENS)
+    assert len(eager_prefill_ahead.stand_in_forwards(driver.runner)) == eager
+    assert calls == [len(keys) + 2 + step + eager] and cleared == [1]
+    assert runner.ahead == AheadStats(compiled=len(keys) + 2 + step + eager, workers=3)
     assert torch.equal(runner.inputs.table, runner.inputs.pad)  # the stand-ins left them idle
     assert sorted(runner.graphs) == sorted(k for k, _ in keys)
     runner.release()
     runner.recapture()
-    assert calls == [len(keys) + 2 + step] and cleared == [1] and len(runner.graphs) == len(keys)
+    assert calls == [len(keys) + 2 + step + eager] and cleared == [1]
+    assert len(runner.graphs) == len(keys)
+
+
+def test_eager_prefill_stand_ins_reach_every_row_class_and_leave_no_trace(tiny_dirs):
+    """The compile-ahead's stand-in prefills (`eager_prefill_ahead`): one EXTEND batch in each row
+    class of the skinny GEMMs' configs and one past them (cuBLAS), over as many requests as the
+    engine holds (the LM head's rows), their KV slots the pool's 1..n; and what they write (KV,
+    req_to_token rows) changes nothing a real batch computes after them: a ragged prefill and
+    two decode steps give a fresh runner's logits, bit for bit."""
+    from rollout import eager_prefill_ahead
+    from rollout.layers import gemv_launch
+    from tests.helpers import DEV, RunnerDriver
+
+    kw = dict(device=DEV.type, attention_backend="triton", cuda_graph=False, max_running_requests=16)
+    driver, fresh = (RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **kw) for _ in range(2))
+    mr, seen = driver.runner, []
+    eager = mr.forward_eager
+
+    def recorded(fb):
+        logits = eager(fb)
+        seen.append((fb.num_tokens, fb.batch_size, fb.extend_seq_lens_cpu,
+                     fb.out_cache_loc.tolist(), tuple(logits.shape)))
+        return logits
+    mr.forward_eager = recorded
+    forwards = eager_prefill_ahead.stand_in_forwards(mr)
+    assert len(forwards) == len(eager_prefill_ahead.STAND_IN_TOKENS)  # the budget holds them all
+    with torch.inference_mode():
+        for forward in forwards:
+            forward()
+    del mr.forward_eager
+    vocab = mr.model_config.vocab_size
+    for (tokens, batch, lens, slots, shape), n in zip(seen, eager_prefill_ahead.STAND_IN_TOKENS):
+        assert tokens == n and batch == min(n, 16) and sum(lens) == n and max(lens) - min(lens) <= 1
+        assert sorted(slots) == list(range(1, n + 1)) and shape == (batch, vocab)
+    edges = [8, 16, 32, 64, 128, gemv_launch.BATCH_MAX_M]  # the configs' row classes
+    for low, high in zip([1] + edges, edges + [None]):
+        assert any(low < n and (high is None or n <= high) for n, *_ in seen), (low, high)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(1, 12))]
+    for d in (driver, fresh):
+        d.logits = [d.prefill(prompts), d.decode([7, 8, 9]), d.decode([1, 2, 3])]
+    for a, b in zip(driver.logits, fresh.logits):
+        assert torch.equal(a, b)

@@ -21,7 +21,9 @@ from rollout.triton_pdl import launch_options, pdl_wait
 FUSED_EMBED_ROPE = os.environ.get("ROLLOUT_FUSED_EMBED_ROPE", "1") != "0"
 
 
-@triton.jit
+# ids and positions are views into a step's packed indices, the positions at an offset that goes
+# with its token count: not specialized on alignment (one variant for every batch; scalar loads)
+@triton.jit(do_not_specialize_on_alignment=["Ids", "Positions"])
 def _embed_rope_kernel(Ids, Positions, Weight, stride_w, Out, stride_o, Table, stride_t, CosSin,
                        stride_cs, HIDDEN: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):

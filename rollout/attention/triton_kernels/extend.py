@@ -23,7 +23,9 @@ import triton.language as tl
 from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_precision
 
 
-@triton.jit
+# the per-request rows are views into a step's packed indices, at offsets that go with its
+# request count: not specialized on alignment (one variant for every batch; they load scalars)
+@triton.jit(do_not_specialize_on_alignment=["ReqPoolIdx", "StartLoc", "ExtLens", "PrefixLens"])
 def _extend_kernel(
     Q, K, V, O, ReqToToken, ReqPoolIdx, StartLoc, ExtLens, PrefixLens, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

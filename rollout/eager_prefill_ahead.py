@@ -1,0 +1,54 @@
+"""Stand-in eager prefills of several requests, for the compile-ahead at start-up.
+
+Why: a rollout starts with a `generate` of many prompts, whose prefill runs eagerly (the
+prefill graphs take one request). Its kernels are mostly those of the decode and prefill graphs,
+but not all: the launch configs of the skinny GEMMs go by row class (2-8, 9-16, 17-32, 33-64,
+65-128, 129-256 rows; above them cuBLAS), and a class that no graph reaches — an engine whose
+graphs stop at 8 requests prefilling 24 prompt tokens — compiled its variants at the first
+`generate` that needed them (0.3-2 s each on an H200 host, one at a time). So the compile-ahead
+also runs one eager EXTEND forward of each class: `STAND_IN_TOKENS` tokens over as many
+requests (at most the engine's), so that the LM head's rows (one a request) reach the classes
+too.
+
+A stand-in runs at start-up only, before any request exists: its rows are request rows 0.. and
+its KV slots 1..n, which the compile-ahead's caller zeroes after (as it does for the graphs'
+stand-ins); a kernel whose variant is already in memory launches for real on them."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from rollout.batch_builder import build_batch
+from rollout.forward_batch import ForwardMode
+from rollout.kv_allocator import KVAllocator
+
+if TYPE_CHECKING:
+    from rollout.model_runner import ModelRunner
+
+# one token count in each row class of the skinny GEMMs' configs (gemv_launch) and one past them
+STAND_IN_TOKENS = (2, 12, 24, 48, 96, 192, 300)
+
+
+def stand_in_forwards(model_runner: "ModelRunner") -> list:
+    """The stand-in prefills this engine can hold (prefill budget, KV slots), as callables."""
+    mr = model_runner
+    limit = min(mr.config.prefill_token_budget(mr.model_config), mr.num_token_slots - 1)
+    return [functools.partial(run_stand_in, mr, n) for n in STAND_IN_TOKENS if n <= limit]
+
+
+def run_stand_in(model_runner: "ModelRunner", tokens: int) -> None:
+    """One eager prefill of `tokens` token-0 prompt tokens over min(tokens, max requests)
+    requests, lengths as even as can be; logits computed, nothing sampled."""
+    mr = model_runner
+    reqs = min(tokens, mr.config.max_running_requests)
+    lens = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
+    allocator = KVAllocator(reqs, tokens + 1, max(lens))  # slots 1..tokens, as the pool's
+    fb = build_batch(ForwardMode.EXTEND, list(range(reqs)), [[0] * n for n in lens], [0] * reqs,
+                     allocator, mr.device)
+    fb.req_to_token_pool, fb.token_to_kv_pool = mr.req_to_token_pool, mr.token_to_kv_pool
+    fb.attn_backend = mr.attn_backend
+    mr.take_inputs(fb)
+    mr.forward_eager(fb)
+
+
+__all__ = ["STAND_IN_TOKENS", "stand_in_forwards", "run_stand_in"]
