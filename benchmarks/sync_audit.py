@@ -25,32 +25,43 @@ from benchmarks.decode_throughput import gpu_engine, prompts_for
 from rollout import SamplingParams
 
 
-def audit(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    prompts = prompts_for(batch, prompt_len, engine.model_config.vocab_size)
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1)
-    engine.generate(prompts, sp)  # warm-up: compiles and allocations out of the way
+# printed once per process when the mode is first set: a notice, not a sync
+_NOTICE = "Synchronization debug mode is a prototype feature"
+
+
+def synchronizing_ops(run) -> tuple[collections.Counter, dict[str, str]]:
+    """The synchronizing torch ops `run()` makes: counts by call site (the innermost frame in
+    rollout/, or the caller's), and each site's stack."""
     sites: collections.Counter = collections.Counter()
     stacks: dict[str, str] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/rollout/" in f.filename]
-        where = f"{frames[-1].filename.split('/rollout/')[-1]}:{frames[-1].lineno}" if frames else "?"
+        if _NOTICE in str(message):
+            return
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if "/rollout/" in f.filename] or frames[-1:]
+        where = f"{ours[-1].filename.rsplit('/', 2)[-1]}:{ours[-1].lineno}"
         key = f"{where}: {str(message)[:80]}"
         sites[key] += 1
-        stacks.setdefault(key, "".join(traceback.format_list(frames[-6:])))
+        stacks.setdefault(key, "".join(traceback.format_list(ours[-6:])))
 
     torch.cuda.synchronize()
-    shown = warnings.showwarning
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            warnings.showwarning = record
-            engine.generate(prompts, sp)
+            warnings.showwarning = record  # restored by catch_warnings
+            run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = shown
+    return sites, stacks
+
+
+def audit(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    prompts = prompts_for(batch, prompt_len, engine.model_config.vocab_size)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+    engine.generate(prompts, sp)  # warm-up: compiles and allocations out of the way
+    sites, stacks = synchronizing_ops(lambda: engine.generate(prompts, sp))
     return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "syncs": dict(sites), "stacks": stacks}
 
@@ -63,6 +74,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    # the control: an .item() of a device tensor must be seen, or an empty audit means nothing
+    control, _ = synchronizing_ops(lambda: torch.ones(1, device="cuda").item())
+    if not control:
+        raise SystemExit("torch's sync debug mode reported no sync for .item(): cannot audit")
+    print(f"control: {sum(control.values())} sync(s) seen for one .item()")
     engine = gpu_engine(args.shape, max(args.batch_sizes))
     results = [audit(engine, b, args.prompt_len, args.new_tokens) for b in args.batch_sizes]
     for r in results:
