@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-import torch
-
-from benchmarks.cuda_timing import replay_seconds
+from benchmarks.cuda_timing import generate_seconds, replay_seconds
 from benchmarks.decode_throughput import gpu_engine, prompts_for
 from rollout import SamplingParams
 
@@ -29,14 +26,7 @@ from rollout import SamplingParams
 def call_seconds(engine, prompts, new_tokens: int, repeats: int) -> list[float]:
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1)
     engine.generate(prompts, sp)  # warm-up at this length
-    out = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp)
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
+    return [generate_seconds(engine, prompts, sp) for _ in range(repeats)]
 
 
 def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: int) -> dict:

@@ -1,5 +1,7 @@
-"""Timing of captured CUDA graphs, shared by the GPU benchmarks."""
+"""Timing of captured CUDA graphs and of whole `generate` calls, shared by the GPU benchmarks."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -16,3 +18,13 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / replays
+
+
+def generate_seconds(engine, prompts, params) -> float:
+    """Wall seconds of one `engine.generate(prompts, params)`, the GPU idle at its start and
+    done at its end."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0

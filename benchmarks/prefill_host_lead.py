@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cuda_timing import generate_seconds
 from benchmarks.decode_throughput import gpu_engine, prompts_for
 from rollout import SamplingParams
 
@@ -36,12 +37,9 @@ def timed_call(engine, prompts, sp) -> dict:
         marks.append((t0, time.perf_counter(), start, end, fb.num_tokens))
         return out
     runner.forward_eager = timed
+    t0 = time.perf_counter()
     try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = generate_seconds(engine, prompts, sp)
     finally:
         del runner.forward_eager
     forwards = [{"tokens": n, "host_ms": (h1 - h0) * 1e3, "gpu_ms": s.elapsed_time(e)}

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.call_breakdown import call_seconds
-from benchmarks.cuda_timing import replay_seconds
+from benchmarks.cuda_timing import generate_seconds, replay_seconds
 from benchmarks.decode_throughput import SHAPES, model_dir_for, prompts_for
 from rollout import Engine, EngineConfig, SamplingParams
 
@@ -47,11 +47,7 @@ def host_busy_ms(engine: Engine, prompts, sp: SamplingParams) -> tuple[float, fl
     ls.LaunchedStep.wait = timed
     try:
         steps0 = engine.stats.steps
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = generate_seconds(engine, prompts, sp)
     finally:
         ls.LaunchedStep.wait = wait
     steps = engine.stats.steps - steps0
