@@ -412,6 +412,7 @@ for stage in "$@"; do
     # own input tables at batches 4 and 16; the first multi-request generates' compiles
     ab27a) ab_stage ab27a benchmarks/ab_twentyseventh_session.json 240 1 ;;
     ab27b) ab_stage ab27b benchmarks/ab_twentyseventh_session_b.json 260 4 16 ;;
+    ab27c) ab_stage ab27c benchmarks/ab_twentyseventh_session_c.json 420 1 ;;
     sync27) run sync27 200 python3 benchmarks/sync_audit.py --batch-sizes 1 8 128 --out "$OUT/sync27.json" ;;
     lead27) run lead27 200 python3 benchmarks/prefill_host_lead.py --batch 128 --cprofile 30 --out "$OUT/lead27.json" ;;
     startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
