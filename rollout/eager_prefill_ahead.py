@@ -30,18 +30,26 @@ STAND_IN_TOKENS = (2, 12, 24, 48, 96, 192, 300)
 
 
 def stand_in_forwards(model_runner: "ModelRunner") -> list:
-    """The stand-in prefills this engine can hold (prefill budget, KV slots), as callables."""
+    """The stand-in prefills this engine can hold (prefill budget, KV slots, context length),
+    as callables."""
     mr = model_runner
     limit = min(mr.config.prefill_token_budget(mr.model_config), mr.num_token_slots - 1)
-    return [functools.partial(run_stand_in, mr, n) for n in STAND_IN_TOKENS if n <= limit]
+    return [functools.partial(run_stand_in, mr, n) for n in STAND_IN_TOKENS
+            if n <= limit and max(_lengths(mr, n)) <= mr.max_context_len]
+
+
+def _lengths(model_runner: "ModelRunner", tokens: int) -> list[int]:
+    """`tokens` over min(tokens, max requests) requests, as even as can be."""
+    reqs = min(tokens, model_runner.config.max_running_requests)
+    return [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
 
 
 def run_stand_in(model_runner: "ModelRunner", tokens: int) -> None:
-    """One eager prefill of `tokens` token-0 prompt tokens over min(tokens, max requests)
-    requests, lengths as even as can be; logits computed, nothing sampled."""
+    """One eager prefill of `tokens` token-0 prompt tokens (`_lengths`); logits computed,
+    nothing sampled."""
     mr = model_runner
-    reqs = min(tokens, mr.config.max_running_requests)
-    lens = [tokens // reqs + (i < tokens % reqs) for i in range(reqs)]
+    lens = _lengths(mr, tokens)
+    reqs = len(lens)
     allocator = KVAllocator(reqs, tokens + 1, max(lens))  # slots 1..tokens, as the pool's
     fb = build_batch(ForwardMode.EXTEND, list(range(reqs)), [[0] * n for n in lens], [0] * reqs,
                      allocator, mr.device)

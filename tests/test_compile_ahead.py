@@ -268,3 +268,8 @@ def test_eager_prefill_stand_ins_reach_every_row_class_and_leave_no_trace(tiny_d
         d.logits = [d.prefill(prompts), d.decode([7, 8, 9]), d.decode([1, 2, 3])]
     for a, b in zip(driver.logits, fresh.logits):
         assert torch.equal(a, b)
+    # an engine of one request and 64 positions: only the stand-ins whose prompt fits
+    short = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **dict(kw, max_running_requests=1,
+                                                               max_context_len=64))
+    kept = [f.args[1] for f in eager_prefill_ahead.stand_in_forwards(short.runner)]
+    assert kept == [n for n in eager_prefill_ahead.STAND_IN_TOKENS if n <= 64]
