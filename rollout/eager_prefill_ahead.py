@@ -3,12 +3,13 @@
 Why: a rollout starts with a `generate` of many prompts, whose prefill runs eagerly (the
 prefill graphs take one request). Its kernels are mostly those of the decode and prefill graphs,
 but not all: the launch configs of the skinny GEMMs go by row class (2-8, 9-16, 17-32, 33-64,
-65-128, 129-256 rows; above them cuBLAS), and a class that no graph reaches — an engine whose
-graphs stop at 8 requests prefilling 24 prompt tokens — compiled its variants at the first
-`generate` that needed them (0.3-2 s each on an H200 host, one at a time). So the compile-ahead
-also runs one eager EXTEND forward of each class: `STAND_IN_TOKENS` tokens over as many
-requests (at most the engine's), so that the LM head's rows (one a request) reach the classes
-too.
+65-128, 129-256 rows; above them cuBLAS), and the variants of a class that no graph reaches (an
+engine whose graphs stop at 8 requests, prefilling 24 prompt tokens) would compile at the first
+`generate` that needs them, one at a time (0.3-2 s each on an H200 host; measured: a first
+`generate` of 4 ragged prompts compiled the extend kernel, 0.48 s, docs/BENCHMARKS.md). So the
+compile-ahead also runs one eager EXTEND forward of each class: `STAND_IN_TOKENS` tokens over as
+many requests (at most the engine's), so that the LM head's rows (one a request) reach the
+classes too.
 
 A stand-in runs at start-up only, before any request exists: its rows are request rows 0.. and
 its KV slots 1..n, which the compile-ahead's caller zeroes after (as it does for the graphs'
