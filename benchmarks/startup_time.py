@@ -7,8 +7,8 @@ decode benchmark's engine (Qwen2-1.5B shape, bf16, sized for 128 requests), time
 (one request, 4 tokens; the kernels outside the graphs, e.g. the sampler's, are compiled ahead
 too since the twenty-sixth session: `first_generate_compiles` counts what still compiles there),
 then the first `generate` of several requests of each kind a rollout starts with (eager
-multi-request prefills: 3 and 8 ragged prompts, then 128 prompts of 128 tokens; `first_batches`: their
-seconds and what each compiled, by kernel).
+multi-request prefills: 3 and 8 ragged prompts, then 128 prompts of 128 tokens;
+`first_batches`: their seconds and what each compiled, by kernel).
 Variants alternate round by round; a last process per variant starts again on its warm cache.
 
   python benchmarks/startup_time.py --workers 0 16 --rounds 2 --out $OUT/startup.json
@@ -106,8 +106,7 @@ def _first_batch(engine, name: str, prompts: list[list[int]], compiles: dict) ->
 def _first_batches() -> list[tuple[str, list[list[int]]]]:
     """Multi-request batches of the kinds a rollout starts with: ragged short prompts (one
     eager prefill of 3 requests, 39 tokens: the skinny GEMMs' rows, odd counts; of 8, 264
-    tokens: cuBLAS),
-    then the decode benchmark's 128 x 128 (two prefill chunks of 8,192 tokens)."""
+    tokens: cuBLAS), then the decode benchmark's 128 x 128 (two prefill chunks of 8,192)."""
     ragged = [[(7 * i + j) % 1000 + 1 for j in range(5 + 8 * i)] for i in range(8)]
     full = [[(i + j) % 1000 + 1 for j in range(128)] for i in range(128)]
     return [("3 ragged", ragged[:3]), ("8 ragged", ragged), ("128 x 128", full)]

@@ -257,6 +257,7 @@ def test_eager_prefill_stand_ins_reach_every_row_class_and_leave_no_trace(tiny_d
             forward()
     del mr.forward_eager
     vocab = mr.model_config.vocab_size
+    assert len(seen) == len(forwards)  # one eager forward each
     for (tokens, batch, lens, slots, shape), n in zip(seen, eager_prefill_ahead.STAND_IN_TOKENS):
         assert tokens == n and batch == min(n, 16) and sum(lens) == n and max(lens) - min(lens) <= 1
         assert sorted(slots) == list(range(1, n + 1)) and shape == (batch, vocab)
