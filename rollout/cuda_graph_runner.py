@@ -202,8 +202,10 @@ class CudaGraphRunner:
     def _compile_ahead(self, keys: list[tuple[tuple[int, int], int]]) -> None:
         """Every graph's Triton kernels compiled in parallel threads before the first capture
         (triton_compile_ahead), with the step's kernels outside the graphs and the eager
-        multi-request prefills' (`eager_prefill_ahead`); the KV pool, which the forwards may have
-        written (the skipped kernels' garbage, the stand-in prefills' keys), is zeroed after."""
+        multi-request prefills' (`eager_prefill_ahead`); the KV pool and req_to_token, which the
+        forwards may have written (the skipped kernels' garbage; where a variant was in memory
+        already, e.g. a second engine in the process, real launches: the stand-in prefills' keys
+        and rows), are zeroed after whenever the forwards ran."""
         mr = self.model_runner
         workers = mr.config.compile_workers
         forwards = [functools.partial(self._compile_forward, key[0], max_seq_len)
@@ -213,7 +215,7 @@ class CudaGraphRunner:
         forwards += self._step_forwards() + eager_prefill_ahead.stand_in_forwards(mr)
         self.ahead = compile_ahead(forwards, default_workers() if workers is None else workers,
                                    mr.device)
-        if self.ahead.compiled or self.ahead.failed:
+        if self.ahead.workers:  # the forwards ran (compile_ahead did not return at once)
             mr.clear_kv_cache()
 
     def _compile_forward(self, bs: int, max_seq_len: int) -> None:

@@ -12,8 +12,9 @@ many requests (at most the engine's), so that the LM head's rows (one a request)
 classes too.
 
 A stand-in runs at start-up only, before any request exists: its rows are request rows 0.. and
-its KV slots 1..n, which the compile-ahead's caller zeroes after (as it does for the graphs'
-stand-ins); a kernel whose variant is already in memory launches for real on them."""
+its KV slots 1..n; a kernel whose variant is already in memory launches for real on them, and
+the compile-ahead's caller zeroes the KV pool and req_to_token after (as for the graphs'
+stand-ins)."""
 from __future__ import annotations
 
 import functools
