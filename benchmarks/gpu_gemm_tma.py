@@ -25,7 +25,6 @@ from benchmarks.gpu_gemv import (SHAPES, rel_err, start_sweep, sweep_parser, tim
 
 
 KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
-EXTRA_KEYS = ("extra_n", "programs", "prefetch_k")  # optional (0 when absent)
 
 
 def candidates(M: int, name: str = "") -> list[dict]:
@@ -83,25 +82,6 @@ def narrow(M: int, name: str) -> list[dict]:
     return _dicts(first)
 
 
-def balanced(M: int, name: str) -> list[dict]:
-    """The fused gate/up on one program an SM (and a second per block of rows when block_m is
-    below M): main tiles of 64 gate rows, extra tiles of 16 for the rows past them
-    (triton_gate_up_balanced); stages as shared memory allows one or two programs an SM."""
-    if name != "gate_up":
-        return []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bm = 128 if M >= 128 else 64
-    first = [(bm, 64, 64, 8, s) for s in (4, 5, 6)] + [(bm, 64, 128, 8, 3), (bm, 64, 64, 4, 4),
-                                                      (bm, 64, 64, 4, 5)]
-    if bm == 128:  # two programs an SM, 64 rows of x each
-        first += [(64, 64, 64, 4, 3), (64, 64, 128, 4, 2)]
-    configs = [dict(zip(KEYS + EXTRA_KEYS, (m, n, k, w, s, 1, False, 16, sms, 0)))
-               for m, n, k, w, s in first]
-    # the table's L2 prefetch of each weight row's first 256 columns, on the likeliest two
-    configs += [dict(c, prefetch_k=256) for c in configs[:2]]
-    return configs
-
-
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -130,8 +110,7 @@ def _dicts(configs: list[tuple]) -> list[dict]:
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float, pick=None) -> dict:
-    """`pick(M, name)`: the configs to sweep (default `candidates`)."""
+def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -144,8 +123,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, pick=None) -> d
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
             c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"],
-                         **{k: cfg.get(k, 0) for k in EXTRA_KEYS})
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
             if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
                 from rollout.layers import triton_gemm_tma as t
                 width = N // 2 if gated else N
@@ -173,7 +151,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, pick=None) -> d
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    for c in (pick or candidates)(M, name):
+    for c in (narrow(M, name) if narrow_only else candidates(M, name)):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -204,8 +182,6 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
     p.add_argument("--narrow", action="store_true",
                    help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
-    p.add_argument("--balanced", action="store_true",
-                   help="sweep only the balanced grid of the fused gate/up (against the table)")
     args = p.parse_args()
     result, copy_bw = start_sweep()
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
@@ -213,8 +189,7 @@ def main() -> None:
     for M in args.rows:
         for name in args.shapes:
             try:
-                pick = narrow if args.narrow else balanced if args.balanced else None
-                row = run_case(name, M, copy_bw, args.case_budget_s, pick)
+                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

@@ -413,14 +413,6 @@ for stage in "$@"; do
     ab27a) ab_stage ab27a benchmarks/ab_twentyseventh_session.json 240 1 ;;
     ab27b) ab_stage ab27b benchmarks/ab_twentyseventh_session_b.json 260 4 16 ;;
     ab27c) ab_stage ab27c benchmarks/ab_twentyseventh_session_c.json 420 1 ;;
-    # twenty-eighth session: the fused gate/up on the balanced grid (triton_gate_up_balanced):
-    # alone against the table and cuBLAS + SiLU at 128 and 64 rows (winners ->
-    # balanced28_configs.json), then its GPU specs
-    balanced28) run balanced28 330 python3 benchmarks/gpu_gemm_tma.py --balanced --shapes gate_up \
-              --rows 128 64 --case-budget-s 60 --out "$OUT/balanced28.json" \
-              --configs-out "$OUT/balanced28_configs.json"
-              run balanced28_specs 200 python3 -m pytest -q -m gpu tests/test_triton_gemv.py \
-              -k "balanced or gate_up or l2_prefetch" -p no:cacheprovider ;;
     sync27) run sync27 200 python3 benchmarks/sync_audit.py --batch-sizes 1 8 128 --out "$OUT/sync27.json" ;;
     lead27) run lead27 200 python3 benchmarks/prefill_host_lead.py --batch 128 --cprofile 30 --out "$OUT/lead27.json" ;;
     startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \

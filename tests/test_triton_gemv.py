@@ -111,28 +111,6 @@ def test_decode_batches_tile_m_fp32(block_m, split_k, kernel):
         skinny_gate_up_silu(rand(triton_gemv.BATCH_MAX_M + 1, k), w, inter)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("inter,programs", [(40, 2), (72, 3), (64, 4)])
-def test_balanced_gate_up_fp32(block_m, inter, programs):
-    """The balanced grid (triton_gate_up_balanced): `programs` programs a block of rows, each a
-    main tile of 16 gate (and up) rows and an extra one of 16 from the rows past the main tiles
-    — ragged (40: the second extra tile half past the end; 72: K 96 in chunks of 32), exact
-    (64 = 4 · 16: every extra tile past the end) — equals the unfused path at 1-40 rows (one and
-    two blocks of rows); a grid that misses rows, or a non-gated call, is refused."""
-    k = 96 if inter == 72 else 48
-    w = rand(2 * inter, k, seed=inter)
-    cfg = Config(16, 32, dot=True, block_m=block_m, tma=True, extra_n=16, programs=programs)
-    for m in (1, 17, 40):
-        x = rand(m, k, seed=m)
-        out = skinny_gate_up_silu(x, w, inter, config=cfg)
-        assert out.shape == (m, inter)
-        assert rel_err(out, ref_gate_up_silu(x, w, inter)) <= 1e-5, m
-    with pytest.raises(ValueError, match="do not cover"):
-        skinny_gate_up_silu(rand(2, k), w, inter, config=cfg._replace(programs=1))
-    with pytest.raises(ValueError, match="gated"):
-        skinny_linear(rand(2, k), w, config=cfg)
-
-
 def test_default_config_and_strided_rows():
     """The heuristic's config (no override) on a ragged shape; x rows with a stride > K."""
     w, b = rand(40, 48, seed=1), rand(40, seed=2)
@@ -268,31 +246,6 @@ def test_gpu_bf16_gate_up_silu_batches():
     for m in (32, 48, 128, 256):
         x = rand(m, k, dtype=torch.bfloat16, seed=m)
         assert rel_err(skinny_gate_up_silu(x, w, inter), ref_gate_up_silu(x, w, inter)) <= 1e-2, m
-
-
-@gpu
-def test_gpu_balanced_gate_up_bf16_in_a_graph():
-    """The balanced grid on the Qwen2-1.5B gate/up (one program an SM: 64 + 16 rows each) at
-    65-128 rows: the unfused path's values, the same bits as the one-tile-a-program TMA kernel
-    with the same K chunks (tiles change no sum's order), and a CUDA graph's replay bit for bit
-    eager."""
-    inter, k = 8960, 1536
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    w = rand(2 * inter, k, dtype=torch.bfloat16, seed=3) * k ** -0.5
-    cfg = Config(64, 64, 1, 8, True, 4, 128, tma=True, extra_n=16, programs=sms)
-    one_tile = Config(64, 64, 1, 8, True, 3, 128, tma=True)
-    if not triton_gemv._has_tma(torch.cuda.current_device()) or sms * 80 < inter:
-        pytest.skip("needs TMA and enough SMs for 80 rows a program")
-    for m in (65, 100, 128):
-        x = rand(m, k, dtype=torch.bfloat16, seed=m)
-        eager = skinny_gate_up_silu(x, w, inter, config=cfg)
-        assert rel_err(eager, ref_gate_up_silu(x, w, inter)) <= 1e-2, m
-        assert torch.equal(eager, skinny_gate_up_silu(x, w, inter, config=one_tile)), m
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = skinny_gate_up_silu(x, w, inter, config=cfg)
-        graph.replay()
-        assert torch.equal(out, eager), m
 
 
 @gpu

@@ -35,9 +35,6 @@ class Config(NamedTuple):
     # the PDL wait (0: none)
     pipeline: int = 0  # FMA kernel: > 1, its loop after the preloaded chunks as Triton's
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
-    extra_n: int = 0  # TMA gated kernel: > 0, `programs` programs a block of block_m rows, each
-    # with a main tile of block_n gate rows and an extra one of extra_n (triton_gate_up_balanced)
-    programs: int = 0
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's

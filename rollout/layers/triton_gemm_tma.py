@@ -132,11 +132,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     size = x.element_size()
     if (x.stride(0) * size) % 16 or (K * size) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: x stride {x.stride(0)}, K {K}")
-    if cfg.extra_n:
-        if not gated:
-            raise ValueError(f"{cfg}: extra row tiles are the gated kernel's")
-        from rollout.layers import triton_gate_up_balanced  # imports this module
-        return triton_gate_up_balanced.launch(x, weight, out, cfg)
     split, k_split = split_k_range(K, cfg)
     partials = split_partials(M, N, gated, split, out)
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
