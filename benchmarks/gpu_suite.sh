@@ -150,6 +150,8 @@ for stage in "$@"; do
               --rounds ${ROUNDS:-2} --batch-sizes 128 --out "$OUT/ab11b.json" ;;
     ab11c) run ab11c 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_eleventh_session_c.json \
               --rounds ${ROUNDS:-2} --batch-sizes 32 64 --out "$OUT/ab11c.json" ;;
+    prefill-host-graphed) run prefill_host_graphed 200 python3 benchmarks/prefill_host_profile.py --graphed \
+              --calls 20 --out "$OUT/prefill_host_graphed.txt" ;;
     prefill-host128) run prefill_host128 200 python3 benchmarks/prefill_host_profile.py --batch 128 --calls 3 \
               --out "$OUT/prefill_host128.txt" ;;
     tma10-prefill) run tma10_prefill 120 python3 benchmarks/gpu_gemm_tma.py --case-budget-s 30 --rows 8192 \

@@ -2,8 +2,8 @@
 
 A batch-1 prefill on the GPU is host-bound (GPU work ~2 ms, wall 15-28 ms for the Qwen2-1.5B
 shape): this times `generate` with one new token (the prefill alone) with CUDA events around
-it (with the one-request prefill graph, then eager), then runs the eager one under cProfile and
-prints the functions with the most own time.
+it (with the one-request prefill graph, then eager), then runs the eager one (`--graphed`: the
+graphed one) under cProfile and prints the functions with the most own time.
 
   python benchmarks/prefill_host_profile.py --shape qwen2-1.5b --out $OUT/prefill_host.txt
 """
@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--out", default=None)
+    p.add_argument("--graphed", action="store_true",
+                   help="profile the calls through the prefill graph (default: eager)")
     args = p.parse_args()
     spec = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as d:
@@ -60,8 +62,9 @@ def main() -> None:
         timed_ms(engine, prompts, 3)  # warm-up: Triton compiles, allocator
         graphs = engine.runner.graph_runner
         graphed = timed_ms(engine, prompts, args.calls) if graphs.prefill is not None else None
-        graphs.prefill = None  # eager from here on: what the profile is about
-        timed_ms(engine, prompts, 2)
+        if not args.graphed:
+            graphs.prefill = None  # eager from here on: what the profile is about
+            timed_ms(engine, prompts, 2)
         wall, gpu = timed_ms(engine, prompts, args.calls)
         prof = cProfile.Profile()
         prof.enable()
@@ -70,11 +73,12 @@ def main() -> None:
         torch.cuda.synchronize()
         prof.disable()
     text = io.StringIO()
+    kind = "graphed" if args.graphed else "eager"
     text.write(f"batch {args.batch} x {args.prompt_len} prompt tokens, prefill only, median of "
-               f"{args.calls}: eager wall {wall:.2f} ms (stream time between events {gpu:.2f} ms)")
+               f"{args.calls}: {kind} wall {wall:.2f} ms (stream time between events {gpu:.2f} ms)")
     if graphed is not None:
         text.write(f"; with the prefill graph: wall {graphed[0]:.2f} ms ({graphed[1]:.2f} ms)")
-    text.write("\nThe eager prefill under cProfile:\n")
+    text.write(f"\nThe {kind} prefill under cProfile:\n")
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
