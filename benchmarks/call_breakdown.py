@@ -19,19 +19,22 @@ import statistics
 from pathlib import Path
 
 from benchmarks.cuda_timing import generate_seconds, replay_seconds
-from benchmarks.decode_throughput import gpu_engine, prompts_for
-from rollout import SamplingParams
+from benchmarks.decode_throughput import gpu_engine_config, model_dir_for, prompts_for
+from rollout import Engine, SamplingParams
 
 
-def call_seconds(engine, prompts, new_tokens: int, repeats: int) -> list[float]:
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1)
+def call_seconds(engine, prompts, new_tokens: int, repeats: int, n: int = 1) -> list[float]:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=1, n=n)
     engine.generate(prompts, sp)  # warm-up at this length
     return [generate_seconds(engine, prompts, sp) for _ in range(repeats)]
 
 
-def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: int) -> dict:
-    prompts = prompts_for(batch, prompt_len, engine.model_config.vocab_size)
-    ms = {n: [t * 1e3 for t in call_seconds(engine, prompts, n, repeats)] for n in lengths}
+def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: int,
+              samples: int = 1) -> dict:
+    """`samples`: the batch is batch / samples prompts sampled that many times each."""
+    prompts = prompts_for(batch // samples, prompt_len, engine.model_config.vocab_size)
+    ms = {n: [t * 1e3 for t in call_seconds(engine, prompts, n, repeats, samples)]
+          for n in lengths}
     med = {n: statistics.median(v) for n, v in ms.items()}
     longest = max(lengths)
     step = (med[longest] - med[2]) / (longest - 2)
@@ -51,14 +54,20 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 128])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="a batch is batch / N prompts sampled N times each (GRPO groups)")
+    p.add_argument("--no-share-prompt-kv", action="store_true",
+                   help="each sample prefills its prompt alone (EngineConfig.share_prompt_kv)")
     p.add_argument("--out", default="breakdown.json")
     args = p.parse_args()
     if 1 not in args.lengths or 2 not in args.lengths or max(args.lengths) < 3:
         p.error("--lengths must hold 1, 2 and a length above 2")
-    engine = gpu_engine(args.shape, max(args.batch_sizes))
+    engine = Engine(gpu_engine_config(model_dir_for(args.shape), max(args.batch_sizes),
+                                      share_prompt_kv=not args.no_share_prompt_kv))
     result = {}
     for bs in args.batch_sizes:
-        result[str(bs)] = breakdown(engine, bs, args.prompt_len, sorted(args.lengths), args.repeats)
+        result[str(bs)] = breakdown(engine, bs, args.prompt_len, sorted(args.lengths), args.repeats,
+                                    args.samples_per_prompt)
         print(f"bs={bs}: {json.dumps(result[str(bs)])}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

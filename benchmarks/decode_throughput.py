@@ -67,13 +67,23 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
     return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=g).tolist()
 
 
+def num_prompts(batch: int, args) -> int:
+    """Distinct prompts of a batch of `batch` samples (`--samples-per-prompt` of each)."""
+    n = getattr(args, "samples_per_prompt", 1)
+    if batch % n:
+        raise SystemExit(f"batch {batch} is not a multiple of --samples-per-prompt {n}")
+    return batch // n
+
+
 def engine_runner(engine: Engine, batch: int, args):
     """A function that runs one timed generate call of the engine; returns (tokens, seconds)."""
-    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1)
-    prompts = prompts_for(batch, args.prompt_len, engine.model_config.vocab_size)
+    n = getattr(args, "samples_per_prompt", 1)
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=1,
+                        n=n)
+    prompts = prompts_for(num_prompts(batch, args), args.prompt_len, engine.model_config.vocab_size)
     # warm-up at the timed batch size: Triton specialises integer arguments (a batch of 32 is
     # divisible by 16, one of 2 is not), so a first call at a new size can compile kernels
-    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True, n=n))
 
     def call() -> tuple[int, float]:
         _sync(args.device)
@@ -85,9 +95,11 @@ def engine_runner(engine: Engine, batch: int, args):
 
 
 def hf_runner(model, batch: int, args):
-    """The same for HF `generate` (sampling at T=1, no top-k/top-p, no early stop)."""
-    prompts = torch.tensor(prompts_for(batch, args.prompt_len, model.config.vocab_size),
-                           device=args.device)
+    """The same for HF `generate` (sampling at T=1, no top-k/top-p, no early stop; each prompt
+    repeated for its samples, as `num_return_sequences` does)."""
+    prompts = torch.tensor(prompts_for(num_prompts(batch, args), args.prompt_len,
+                                       model.config.vocab_size), device=args.device)
+    prompts = prompts.repeat_interleave(batch // prompts.shape[0], dim=0)
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
               temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     if args.hf_static_cache:
@@ -209,6 +221,10 @@ def main() -> None:
                    help="the engine's max_running_requests (default: the largest batch size)")
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None,
                    help="decode graph batch sizes (default: the engine's)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="a batch is batch / N distinct prompts sampled N times each (GRPO groups)")
+    p.add_argument("--no-share-prompt-kv", action="store_true",
+                   help="each sample prefills its prompt alone (EngineConfig.share_prompt_kv)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -231,6 +247,7 @@ def run(args) -> dict:
                                  max_running_requests=args.max_running or max(args.batch_sizes),
                                  cuda_graph_batch_sizes=args.graph_batch_sizes and tuple(args.graph_batch_sizes),
                                  max_prefill_tokens=args.max_prefill_tokens,
+                                 share_prompt_kv=not args.no_share_prompt_kv,
                                  kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
     _sync(args.device)
     startup = time.perf_counter() - t0
@@ -258,6 +275,8 @@ def run(args) -> dict:
             "cuda_graph": engine.runner.graph_runner is not None, "startup_s": startup,
             "copy_bandwidth_GBps": bandwidth / 1e9, "cpu_gemm_gflops": gemm,
             "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+            "samples_per_prompt": args.samples_per_prompt,
+            "share_prompt_kv": not args.no_share_prompt_kv,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
 
 

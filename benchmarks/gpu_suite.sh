@@ -415,6 +415,20 @@ for stage in "$@"; do
     ab27a) ab_stage ab27a benchmarks/ab_twentyseventh_session.json 240 1 ;;
     ab27b) ab_stage ab27b benchmarks/ab_twentyseventh_session_b.json 260 4 16 ;;
     ab27c) ab_stage ab27c benchmarks/ab_twentyseventh_session_c.json 420 1 ;;
+    # a prompt's samples sharing its KV (prompt_group): the GPU spec, then GRPO-shaped batches
+    # (16 / 4 prompts x 8 samples) with sharing (and HF) and without
+    share28) run share28_specs 200 python3 -m pytest -q -m gpu tests/test_prompt_sharing.py -p no:cacheprovider
+              run share28_on 240 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 32 128 --samples-per-prompt 8 --prompt-len 128 \
+              --new-tokens 128 --repeats 2 --out "$OUT/share28_on.json"
+              run share28_off 180 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 32 128 --samples-per-prompt 8 --prompt-len 128 \
+              --new-tokens 128 --repeats 2 --no-share-prompt-kv --skip-hf --out "$OUT/share28_off.json" ;;
+    # where a GRPO-shaped call's time goes with and without sharing (one prefill + steps)
+    share28b) run share28b_specs 200 python3 -m pytest -q -m gpu tests/test_prompt_sharing.py -p no:cacheprovider
+              for s in on off; do flag=; [ $s = off ] && flag=--no-share-prompt-kv
+              run share28b_$s 200 python3 benchmarks/call_breakdown.py --batch-sizes 32 128 \
+              --samples-per-prompt 8 --repeats 3 $flag --out "$OUT/share28b_$s.json"; done ;;
     sync27) run sync27 200 python3 benchmarks/sync_audit.py --batch-sizes 1 8 128 --out "$OUT/sync27.json" ;;
     lead27) run lead27 200 python3 benchmarks/prefill_host_lead.py --batch 128 --cprofile 30 --out "$OUT/lead27.json" ;;
     startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rollout.forward_batch import (INDEX_FIELDS, LOGITS_ROWS, NUM_TOKEN_FIELDS, ForwardBatch, ForwardMode,
-                                   HostIndices)
+from rollout.forward_batch import (INDEX_FIELDS, LOGITS_ROWS, NUM_TOKEN_FIELDS, SHARED_FIELDS,
+                                   ForwardBatch, ForwardMode, HostIndices)
 from rollout.host_to_device import to_device
 from rollout.kv_allocator import KVAllocator
 from rollout.sampling_info import SamplingBatchInfo
@@ -25,24 +25,35 @@ from rollout.sampling_info import SamplingBatchInfo
 def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                 prefix_lens: Sequence[int], allocator: KVAllocator, device: torch.device,
                 sampling_info: Optional[SamplingBatchInfo] = None,
-                return_all_logits: bool = False) -> Optional[ForwardBatch]:
+                return_all_logits: bool = False,
+                shared: Optional[Sequence[tuple[int, int, int]]] = None
+                ) -> Optional[ForwardBatch]:
     """Allocates KV slots for the new tokens; returns None (nothing allocated) if they do not fit.
 
     `new_tokens[i]`: a list of ints or an int64 numpy array (a request's prompt as the request
     builder keeps it: no conversion here). An EXTEND batch that needs only last-token logits
     carries their rows in its packed indices (`ForwardBatch.logits_rows`): the LM head needs
-    no copy of its own."""
+    no copy of its own. `shared`: (row, source row, n) for rows that start with cached tokens
+    computed for another row (a prompt's KV shared by its samples, `prompt_group`): the first
+    n slots of the source row (after this batch's allocation, so a source in this batch has
+    its new slots) go to the row's first n, in the allocator's table and, packed with the
+    rest (`SHARED_FIELDS`), in the device's req_to_token."""
     b = len(rows)
     ext = np.fromiter(map(len, new_tokens), np.int64, b)
     ends = np.cumsum(ext)
     num_tokens = int(ends[-1]) if b else 0
     names = INDEX_FIELDS if mode.is_decode or return_all_logits else INDEX_FIELDS + (LOGITS_ROWS,)
     sizes = [num_tokens] * NUM_TOKEN_FIELDS + [b] * (len(names) - NUM_TOKEN_FIELDS)
+    if shared is not None:
+        names += SHARED_FIELDS
+        sizes += [sum(n for _, _, n in shared)] * len(SHARED_FIELDS)
     # every field written in place into one array, in `names` order: no per-field tensor, no cat
     host = np.empty(sum(sizes), dtype=np.int64)
     split = NUM_TOKEN_FIELDS * num_tokens
     ids, positions, slots, token_rows = host[:split].reshape(NUM_TOKEN_FIELDS, num_tokens)
-    per_request = host[split:].reshape(len(names) - NUM_TOKEN_FIELDS, b)
+    per_request_end = split + b * (len(names) - NUM_TOKEN_FIELDS
+                                   - (len(SHARED_FIELDS) if shared is not None else 0))
+    per_request = host[split:per_request_end].reshape(-1, b)
     req_rows, seq_lens, ext_lens, prefix = per_request[:4]
     req_rows[:] = rows
     ext_lens[:] = ext
@@ -55,21 +66,34 @@ def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Seq
     if taken is None:
         return None
     slots[:] = taken
+    if shared is not None:
+        _share_rows(shared, allocator, host[per_request_end:].reshape(len(SHARED_FIELDS), -1))
     _write_tokens(new_tokens, ids)
-    if len(names) > len(INDEX_FIELDS):
+    if LOGITS_ROWS in names:
         np.subtract(ends, 1, out=per_request[4])  # each request's last token
     flat = torch.from_numpy(host)
     host_indices = HostIndices(names, sizes, flat)
-    dev = _to_device(host_indices, device)
-    logits_rows = dev.pop() if len(dev) > len(INDEX_FIELDS) else None
-    ids_d, pos_d, loc_d, tok_rows_d, req_rows_d, lens_d, ext_d, prefix_d = dev
+    dev = dict(zip(names, _to_device(host_indices, device)))
     return ForwardBatch(
-        forward_mode=mode, batch_size=b, input_ids=ids_d, positions=pos_d,
-        req_pool_indices=req_rows_d, seq_lens=lens_d, out_cache_loc=loc_d,
-        seq_lens_cpu=seq_lens.tolist(), extend_seq_lens_cpu=ext.tolist(),
-        extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens=ext_d, extend_prefix_lens=prefix_d,
-        token_req_pool_indices=tok_rows_d, logits_rows=logits_rows,
-        sampling_info=sampling_info, return_all_logits=return_all_logits, host_indices=host_indices)
+        forward_mode=mode, batch_size=b, seq_lens_cpu=seq_lens.tolist(),
+        extend_seq_lens_cpu=ext.tolist(), extend_prefix_lens_cpu=list(prefix_lens),
+        sampling_info=sampling_info, return_all_logits=return_all_logits,
+        host_indices=host_indices, **dev)
+
+
+def _share_rows(shared: Sequence[tuple[int, int, int]], allocator: KVAllocator,
+                out: np.ndarray) -> None:
+    """Each (row, source, n): the row's first n table entries become the source row's; `out`
+    [3, total] gets the (rows, positions, slots) written."""
+    rows, positions, slots = out
+    start = 0
+    for row, source, n in shared:
+        end = start + n
+        rows[start:end] = row
+        positions[start:end] = np.arange(n)
+        slots[start:end] = allocator.table[source, :n]
+        allocator.table[row, :n] = slots[start:end]
+        start = end
 
 
 def _write_tokens(new_tokens: Sequence[Sequence[int]], out: np.ndarray) -> None:

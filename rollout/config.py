@@ -193,6 +193,9 @@ class EngineConfig:
     # batch 4 on the cpu-small shape) at the cost of a second copy of those weights in memory
     cpu_packed_weights: bool = True
     check_finite: bool = False  # weight updates: reject NaN/inf tensors
+    # the n samples of a prompt share its KV cache: one prefill of the prompt, then one token a
+    # sample (`prompt_group`); False: each sample prefills its prompt alone
+    share_prompt_kv: bool = True
     pause_mode: str = "retract"
     show_progress: bool = False
     load_format: str = "auto"  # "auto": the safetensors checkpoint; "dummy": random (benchmarks)
@@ -219,6 +222,8 @@ class EngineConfig:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.share_prompt_kv, bool):
+            raise ConfigError(f"share_prompt_kv must be a bool, got {self.share_prompt_kv!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.overlap_schedule not in (None, True, False):

@@ -45,7 +45,7 @@ class Engine(EngineWeightsMixin):
         self.scheduler = self._make_scheduler()
         limits = PromptLimits(self.model_config.vocab_size, self.runner.max_context_len,
                               self.runner.num_token_slots - 1)
-        self._requests = RequestBuilder(limits, self.tokenizer, config.seed)
+        self._requests = RequestBuilder(limits, self.tokenizer, config.seed, config.share_prompt_kv)
         self._lock = threading.Lock()  # one generation at a time
         self._weights_lock = threading.RLock()  # weight updates vs. release/resume of memory
         self.gate = StepGate()

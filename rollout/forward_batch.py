@@ -20,6 +20,10 @@ INDEX_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_req_pool_indic
 NUM_TOKEN_FIELDS = 4
 # An EXTEND batch's last-token rows (`ForwardBatch.logits_rows`), packed after INDEX_FIELDS.
 LOGITS_ROWS = "logits_rows"
+# KV slots of tokens another request computes (a prompt's KV shared by its samples,
+# `prompt_group`) that a request's row starts to reference in this batch, packed last:
+# req_to_token gets them with the new tokens' slots
+SHARED_FIELDS = ("shared_token_rows", "shared_positions", "shared_slots")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,12 @@ class ForwardBatch:
     token_req_pool_indices: Optional[torch.Tensor] = None  # [num_tokens]: request row per token
     # [batch]: each request's last token, the rows `logits_indices` returns (None: computed there)
     logits_rows: Optional[torch.Tensor] = None
+    # SHARED_FIELDS: req_to_token[shared_token_rows[i], shared_positions[i]] = shared_slots[i],
+    # slots whose KV was computed for another request: in an earlier step, or in this one (every
+    # layer stores the step's new KV before its attention reads any). None: none
+    shared_token_rows: Optional[torch.Tensor] = None
+    shared_positions: Optional[torch.Tensor] = None
+    shared_slots: Optional[torch.Tensor] = None
     host_indices: Optional[HostIndices] = None
     # overlap scheduling: the device tokens the previous step is still sampling, one per row in
     # this batch's order — its input ids, which `input_ids` does not hold yet. The runner takes

@@ -71,9 +71,14 @@ class KVAllocator:
             self.table[rows, positions] = slots
         return slots
 
-    def free(self, row: int, num_tokens: int) -> None:
-        """Give back the row and the slots of its first `num_tokens` tokens."""
-        if num_tokens:
-            self._released.append(self.table[row, :num_tokens].copy())  # the row is reused later
-            self._num_released += num_tokens
+    def free(self, row: int, num_tokens: int, start: int = 0) -> None:
+        """Give back the row and the slots of its tokens start..num_tokens-1 (the first `start`
+        are another owner's: a prompt group's shared slots)."""
+        if num_tokens > start:
+            self.release(self.table[row, start:num_tokens].copy())  # the row is reused later
         self._free_rows.append(row)
+
+    def release(self, slots: np.ndarray) -> None:
+        """Give back token slots no row holds any more."""
+        self._released.append(slots)
+        self._num_released += len(slots)

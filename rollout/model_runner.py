@@ -133,9 +133,12 @@ class ModelRunner:
         return self.forward_eager(fb)
 
     def take_inputs(self, fb: ForwardBatch) -> None:
-        """The step's pending input ids into `fb.input_ids`, its new KV slots into req_to_token."""
+        """The step's pending input ids into `fb.input_ids`, its new KV slots (and the shared
+        ones its rows start to reference) into req_to_token."""
         fb.resolve_input_ids()
         self.req_to_token_pool.write(fb.token_req_pool_indices, fb.positions, fb.out_cache_loc)
+        if fb.shared_slots is not None:
+            self.req_to_token_pool.write(fb.shared_token_rows, fb.shared_positions, fb.shared_slots)
 
     def release_cpu_threads(self) -> None:
         """Called before the engine hands control back to its caller: torch gets its CPU

@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from rollout.prompt_group import PromptGroup
 from rollout.sampling_params import SamplingParams
 
 
@@ -34,6 +35,10 @@ class Request:
     kv_allocated: int = 0  # KV slots its row holds (freed when it leaves, pending or not)
     # prompt_ids as a read-only int64 array (the request builder's, shared by a prompt's samples)
     prompt_array: Optional[np.ndarray] = field(default=None, repr=False)
+    # the prompt's samples sharing its KV (prompt_group; None: not shared), and how many leading
+    # slots of this request's row are that group's while resident (not its own to free)
+    group: Optional[PromptGroup] = field(default=None, repr=False)
+    shared_len: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -46,6 +51,11 @@ class Request:
         if self.prompt_array is not None and not self.output_ids:
             return self.prompt_array
         return self.all_ids
+
+    def prefill_ids_from(self, start: int) -> Union[np.ndarray, list[int]]:
+        """The tokens a prefill computes after `start` cached ones (`prefill_ids[start:]`)."""
+        ids = self.prefill_ids
+        return ids[start:] if start else ids
 
     @property
     def length(self) -> int:

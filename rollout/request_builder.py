@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from rollout.errors import InvalidRequestError, KVCacheBudgetError
+from rollout.prompt_group import new_group
 from rollout.request import Request
 from rollout.random_stream import mix_seed
 from rollout.sampling_params import SamplingParams
@@ -30,8 +31,9 @@ class PromptLimits:
 
 
 class RequestBuilder:
-    def __init__(self, limits: PromptLimits, tokenizer: Any, seed: int):
+    def __init__(self, limits: PromptLimits, tokenizer: Any, seed: int, share_prompt_kv: bool = True):
         self.limits, self.tokenizer = limits, tokenizer
+        self.share_prompt_kv = share_prompt_kv  # a prompt's n samples share its KV (prompt_group)
         self._rng = random.Random(seed)
         self._next_rid = 0
 
@@ -44,11 +46,12 @@ class RequestBuilder:
 
     def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams) -> list[Request]:
         base = resolve_seed(sp, self._rng)
+        group = new_group(len(prompt), sp.n) if self.share_prompt_kv else None
         out = []
         for k in range(sp.n):
             seed = base if sp.n == 1 else mix_seed(base, k)
             out.append(Request(self._next_rid, prompt, sp, seed, self.limits.max_len, index, k,
-                               prompt_array=array))
+                               prompt_array=array, group=group))
             self._next_rid += 1
         return out
 

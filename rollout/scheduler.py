@@ -43,6 +43,7 @@ class SchedulerStats:
     retractions: int = 0
     aborted: int = 0
     dropped_rows: int = 0  # overlap: rows queued for a request that had finished meanwhile
+    shared_prompt_tokens: int = 0  # prompt tokens admitted with their KV cached (prompt_group)
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,15 @@ class Scheduler:
         return LaunchedStep(reqs, out)
 
     def _admit(self) -> Optional[tuple[list[Request], ForwardBatch]]:
-        picked, tokens = [], 0
+        """FCFS while rows, the prefill budget and the KV pool allow. A sample of a prompt whose
+        KV is cached (or computed in this step) computes only what follows it (`prompt_group`)."""
+        picked, cached, tokens = [], [], 0
+        step, version = self.stats.steps, self.weight_version
         while self.waiting and len(self.running) + len(picked) < self.limits.max_running:
             req = self.waiting[0]
-            need = req.length
+            group = req.group
+            prefix = group.admission_prefix(step, version) if group is not None else 0
+            need = req.length - prefix
             fits_budget = not picked or tokens + need <= self.limits.max_prefill_tokens
             reserve = len(self.running) + len(picked) + 1
             if not fits_budget or tokens + need + reserve > self.alloc.num_free_slots:
@@ -118,14 +124,55 @@ class Scheduler:
             if self.alloc.num_free_rows == 0:
                 break
             req.row = self.alloc.alloc_row()
+            if group is not None and not prefix and group.vacant:
+                group.reserve_lead(step, req.row)
             picked.append(self.waiting.popleft())
+            cached.append(prefix)
             tokens += need
         if not picked:
             return None
-        fb = self._build(ForwardMode.EXTEND, picked, [r.prefill_ids for r in picked], [0] * len(picked))
+        fb = self._build(ForwardMode.EXTEND, picked,
+                         [r.prefill_ids_from(p) for r, p in zip(picked, cached)], cached,
+                         shared=self._shared_rows(picked, cached, step))
+        self._share_prompts(picked, cached, step, version)
         self.running.extend(picked)
         self.stats.prefill_tokens += tokens
+        self.stats.shared_prompt_tokens += sum(cached)
         return picked, fb
+
+    def _shared_rows(self, picked: Sequence[Request], cached: Sequence[int],
+                     step: int) -> Optional[list[tuple[int, int, int]]]:
+        """(row, source row, n) for each follower: its row's first n slots are the source
+        row's once the batch has its slots — its leader's in this step, else the group's held
+        slots, which go into its own row here (`build_batch`'s `shared`)."""
+        shared = []
+        for req, prefix in zip(picked, cached):
+            if not prefix:
+                continue
+            group = req.group
+            if group.lead_step == step:
+                shared.append((req.row, group.lead_row, prefix))
+            else:
+                self.alloc.table[req.row, :prefix] = group.slots
+                shared.append((req.row, req.row, prefix))
+        return shared or None
+
+    def _share_prompts(self, picked: Sequence[Request], cached: Sequence[int], step: int,
+                       version: int) -> None:
+        """After the batch took its slots: leaders hand their prompts' KV slots to their groups,
+        followers join theirs; both then hold the group's slots, not their own. (A leader is
+        picked before the followers of its step.)"""
+        for req, prefix in zip(picked, cached):
+            group = req.group
+            if group is None:
+                continue
+            if prefix:
+                group.follow()
+            elif group.vacant and group.lead_step == step and group.lead_row == req.row:
+                group.lead(self.alloc.table[req.row, :group.prefix_len].copy(), version)
+            else:  # prefilled alone (the group's KV is of other weights)
+                continue
+            req.shared_len = group.prefix_len
 
     def _decode_batch(self, prev: Optional[LaunchedStep]) -> Optional[tuple[list[Request], ForwardBatch]]:
         """Every running request that still needs a token. Behind a step in flight (`prev`),
@@ -158,8 +205,10 @@ class Scheduler:
         self.stats.decode_tokens += len(reqs)
         return reqs, fb
 
-    def _build(self, mode: ForwardMode, reqs: Sequence[Request], tokens, prefix_lens) -> ForwardBatch:
-        fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device)
+    def _build(self, mode: ForwardMode, reqs: Sequence[Request], tokens, prefix_lens,
+               shared=None) -> ForwardBatch:
+        fb = build_batch(mode, [r.row for r in reqs], tokens, prefix_lens, self.alloc, self.device,
+                         shared=shared)
         self._check_built(fb, reqs)
         fb.sampling_info = self._sampling_info(reqs, fb, key=None)
         return fb
@@ -216,8 +265,12 @@ class Scheduler:
         self._free_kv(req)
 
     def _free_kv(self, req: Request) -> None:
-        self.alloc.free(req.row, req.kv_allocated)
-        req.row, req.kv_allocated = None, 0
+        self.alloc.free(req.row, req.kv_allocated, start=req.shared_len)
+        if req.shared_len:  # the group's slots go back with its last holder
+            slots = req.group.leave()
+            if slots is not None:
+                self.alloc.release(slots)
+        req.row, req.kv_allocated, req.shared_len = None, 0, 0
 
     def retract_all(self) -> None:
         """Move every running request back to the queue (their KV is recomputed later)."""

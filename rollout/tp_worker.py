@@ -19,14 +19,14 @@ import torch.distributed as dist
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.engine import Engine
-from rollout.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward_batch import SHARED_FIELDS, ForwardBatch, ForwardMode
 from rollout.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # Device tensors of a ForwardBatch that followers need (the sampling info stays on the leader).
 _TENSOR_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc",
-                  "extend_seq_lens", "extend_prefix_lens", "token_req_pool_indices")
+                  "extend_seq_lens", "extend_prefix_lens", "token_req_pool_indices") + SHARED_FIELDS
 
 
 @dataclass

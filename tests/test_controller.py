@@ -92,7 +92,9 @@ def test_n_samples_of_a_prompt_stay_on_one_replica(controllers):
     prompts = [RAGGED[1], RAGGED[3]]  # 7 and 10 tokens; idle replicas: prompt i → replica i
     outs = ctl.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=1))
     after = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
-    assert [a - b for a, b in zip(after, before)] == [3 * 7, 3 * 10]
+    # each replica computed its prompt once and one token for each other sample (the samples
+    # share the prompt's KV: prompt_group) — impossible were the samples split over replicas
+    assert [a - b for a, b in zip(after, before)] == [7 + 2, 10 + 2]
     assert [(o.prompt_index, o.sample_index) for o in outs] == [(i, k) for i in range(2) for k in range(3)]
     assert all(r["alive"] and r["outstanding_work"] == 0 for r in ctl.status())
 

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.distributed import destroy_tp_group, free_port, init_tp_group, tcp_init_method
 from rollout.errors import DistributedInitError
+from rollout.forward_batch import SHARED_FIELDS
 from rollout.tp_worker import BatchMessage, StepChannel, StopMessage, TPFollower
 from tests.helpers import RunnerDriver, hf_last_logits, hf_model
 
@@ -104,11 +105,22 @@ def test_batch_message_round_trip():
     alloc = KVAllocator(4, 64, 32)
     rows = [alloc.alloc_row(), alloc.alloc_row()]
     fb = build_batch(ForwardMode.EXTEND, rows, [[5, 6, 7], [8]], [0, 0], alloc, torch.device("cpu"))
-    got = pickle.loads(pickle.dumps(BatchMessage.from_batch(fb))).to_batch(torch.device("cpu"))
-    assert (got.forward_mode, got.batch_size, got.seq_lens_cpu, got.extend_seq_lens_cpu) == \
-        (fb.forward_mode, fb.batch_size, fb.seq_lens_cpu, fb.extend_seq_lens_cpu)
-    for name in ("input_ids", "positions", "out_cache_loc", "token_req_pool_indices", "seq_lens"):
-        assert torch.equal(getattr(got, name), getattr(fb, name)), name
+    # a follower of the first prompt's group: its row references two cached slots (prompt_group)
+    follower = alloc.alloc_row()
+    fb_shared = build_batch(ForwardMode.EXTEND, [follower], [[7]], [2], alloc, torch.device("cpu"),
+                            shared=[(follower, rows[0], 2)])
+    for batch in (fb, fb_shared):
+        got = pickle.loads(pickle.dumps(BatchMessage.from_batch(batch))).to_batch(torch.device("cpu"))
+        assert (got.forward_mode, got.batch_size, got.seq_lens_cpu, got.extend_seq_lens_cpu) == \
+            (batch.forward_mode, batch.batch_size, batch.seq_lens_cpu, batch.extend_seq_lens_cpu)
+        for name in ("input_ids", "positions", "out_cache_loc", "token_req_pool_indices",
+                     "seq_lens", "extend_prefix_lens") + SHARED_FIELDS:
+            want = getattr(batch, name)
+            assert (want is None and getattr(got, name) is None) or \
+                torch.equal(getattr(got, name), want), name
+    assert fb.shared_slots is None
+    assert fb_shared.shared_slots.tolist() == fb.out_cache_loc[:2].tolist()
+    assert fb_shared.shared_token_rows.tolist() == [follower] * 2
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -132,12 +144,15 @@ def ray_session():
 def test_tp2_actors_greedy_equal_engine_and_hf(tiny_dirs, ray_session, arch):
     from actors import RolloutController
     cfg = dict(model_path=tiny_dirs[arch], kv_cache_tokens=4096)
-    sp = SamplingParams(max_new_tokens=16, temperature=0.0)
+    # two samples a prompt: the second follows the first's prompt KV on both ranks
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, n=2)
     single = Engine(EngineConfig(**cfg)).generate(PROMPTS, sp)
     with RolloutController(EngineConfig(tp_size=2, **cfg), num_replicas=1) as ctl:
         outs = ctl.generate(PROMPTS, sp)
     hf = hf_model(tiny_dirs[arch])
-    for prompt, out, ref in zip(PROMPTS, outs, single):
+    assert [(o.prompt_index, o.sample_index) for o in outs] == \
+        [(i, k) for i in range(len(PROMPTS)) for k in range(2)]
+    for prompt, out, ref in zip([p for p in PROMPTS for _ in range(2)], outs, single):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
         assert out.token_ids == ref.token_ids == want[0, len(prompt):].tolist()
         assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-5)

@@ -1,0 +1,166 @@
+"""Spec: the n samples of a prompt share its KV cache (rollout/prompt_group.py). Against the same
+engine with `share_prompt_kv=False` (each sample prefills its prompt alone) and, greedy, HF's
+`generate`: the same tokens, logprobs within fp32 rounding; the prompt computed once per group
+(L + n - 1 prefill tokens for n samples of L tokens); every KV slot and row back in the pool
+after the call — with and without overlap scheduling, under a KV pool so small that requests
+are retracted and recomputed, when samples end at their first token, and when the weights
+change before a sample joins its group; on the GPU path too (float32)."""
+import numpy as np
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.prompt_group import new_group
+from tests.helpers import gpu, hf_model
+
+ARCH = "Qwen2ForCausalLM"
+PROMPTS = [[3, 14, 15, 92, 65, 35], [46], [26, 43, 38, 32, 79, 50, 28, 84, 19, 71], [69, 39]]
+
+
+def run(tiny_dirs, share: bool, sp: SamplingParams, prompts=PROMPTS, **cfg):
+    cfg.setdefault("kv_cache_tokens", 4096)
+    engine = Engine(EngineConfig(model_path=tiny_dirs[ARCH], share_prompt_kv=share, **cfg))
+    return engine, engine.generate(prompts, sp)
+
+
+def tokens(outs):
+    return [(o.prompt_index, o.sample_index, o.token_ids) for o in outs]
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    alloc = engine.scheduler.alloc
+    assert alloc.num_free_slots == alloc.capacity
+    assert alloc.num_free_rows == engine.config.max_running_requests + 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_samples_equal_samples_prefilled_alone(tiny_dirs, overlap, temperature):
+    n = 4
+    sp = SamplingParams(max_new_tokens=10, n=n, temperature=temperature, seed=11, ignore_eos=True,
+                        logprobs=2)
+    shared_engine, shared = run(tiny_dirs, True, sp, overlap_schedule=overlap)
+    alone_engine, alone = run(tiny_dirs, False, sp, overlap_schedule=overlap)
+    assert tokens(shared) == tokens(alone)
+    for a, b in zip(shared, alone):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        assert [[t for t, _ in step] for step in a.top_logprobs] == \
+            [[t for t, _ in step] for step in b.top_logprobs]
+    stats = shared_engine.stats
+    assert stats.prefill_tokens == sum(len(p) + n - 1 for p in PROMPTS)
+    assert stats.shared_prompt_tokens == sum((n - 1) * (len(p) - 1) for p in PROMPTS)
+    assert alone_engine.stats.prefill_tokens == n * sum(len(p) for p in PROMPTS)
+    assert_pool_empty(shared_engine)
+    if temperature == 0.0:  # the oracle: every sample is HF's greedy continuation
+        hf = hf_model(tiny_dirs[ARCH])
+        for out in shared:
+            prompt = PROMPTS[out.prompt_index]
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+            assert out.token_ids == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_pool_retracts_group_members_and_still_matches(tiny_dirs, overlap):
+    """A pool of 100 slots for 3 × 4 samples of up to 10 + 24 tokens: members are retracted,
+    give their hold on the group's slots back, and are recomputed following the group again
+    or leading it anew."""
+    sp = SamplingParams(max_new_tokens=24, n=4, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:1] + PROMPTS[2:]
+    _, alone = run(tiny_dirs, False, sp, prompts)
+    small, shared = run(tiny_dirs, True, sp, prompts, kv_cache_tokens=100, overlap_schedule=overlap)
+    assert tokens(shared) == tokens(alone)
+    assert small.stats.retractions > 0 and small.stats.shared_prompt_tokens > 0
+    assert_pool_empty(small)
+
+
+def test_followers_past_the_prefill_budget_join_in_a_later_step(tiny_dirs):
+    """A prefill budget of the prompt's length: the leader's step holds its prompt alone, the
+    followers come in the next step and take the group's held slots into their rows."""
+    prompt, n = PROMPTS[2], 3
+    sp = SamplingParams(max_new_tokens=6, n=n, temperature=1.0, seed=9, ignore_eos=True)
+    engine, shared = run(tiny_dirs, True, sp, [prompt], max_prefill_tokens=len(prompt))
+    _, alone = run(tiny_dirs, False, sp, [prompt])
+    assert tokens(shared) == tokens(alone)
+    assert engine.stats.prefill_tokens == len(prompt) + n - 1
+    assert engine.stats.steps == 6 + 1  # the followers' step, then decodes of all three
+    assert_pool_empty(engine)
+
+
+def test_samples_of_one_token_share_in_one_step(tiny_dirs):
+    """Followers join their leader's step: with max_new_tokens=1 the whole group prefills, and
+    finishes, in one step."""
+    n = 3
+    sp = SamplingParams(max_new_tokens=1, n=n, temperature=1.0, seed=2)
+    engine, shared = run(tiny_dirs, True, sp)
+    _, alone = run(tiny_dirs, False, sp)
+    assert tokens(shared) == tokens(alone)
+    assert engine.stats.shared_prompt_tokens == sum((n - 1) * (len(p) - 1) for p in PROMPTS)
+    assert engine.stats.steps == 1
+    assert_pool_empty(engine)
+
+
+def test_a_sample_joining_after_a_weight_update_prefills_alone(tiny_dirs):
+    """Three requests may run: the leader and two followers take the first step; the leader is
+    aborted, the weight version moves on (here without a weight change, so the tokens still
+    equal the unshared run's), and the fourth sample is admitted: the group's KV, still held
+    by the followers, was computed with the earlier weights, so it prefills its prompt alone;
+    the followers' hold ends with them and every slot comes back."""
+    prompt, n = PROMPTS[2], 4
+    sp = SamplingParams(max_new_tokens=8, n=n, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096,
+                                 max_running_requests=3))
+    sched = engine.scheduler
+    reqs = engine._requests.build([prompt], sp)
+    for req in reqs:
+        sched.add(req)
+    sched.step()
+    leader, *followers, last = reqs
+    assert [r.shared_len for r in reqs] == [len(prompt) - 1] * 3 + [0] and last.row is None
+    sched.abort(leader.rid)
+    assert leader.group.holders == 2
+    sched.weight_version += 1
+    sched.step()
+    assert last.shared_len == 0 and last.row is not None
+    assert sched.stats.prefill_tokens == len(prompt) + 2 + len(prompt)
+    while sched.has_work:
+        sched.step()
+    _, alone = run(tiny_dirs, False, sp, [prompt])
+    assert [r.output_ids for r in reqs[1:]] == [o.token_ids for o in alone[1:]]
+    assert leader.group.vacant
+    assert_pool_empty(engine)
+
+
+def test_group_admission_and_hold():
+    assert new_group(1, 4) is None and new_group(5, 1) is None
+    group = new_group(5, 3)
+    assert group.prefix_len == 4 and group.vacant
+    assert group.admission_prefix(step=0, version=0) == 0  # leads
+    group.reserve_lead(0, row=7)
+    assert group.admission_prefix(0, 0) == 4  # follows row 7 in its step
+    slots = np.array([7, 8, 9, 10])
+    group.lead(slots, version=0)
+    group.follow()
+    assert group.admission_prefix(1, 0) == 4  # follows the held slots
+    assert group.admission_prefix(1, 1) == 0  # other weights: alone
+    assert group.leave() is None and not group.vacant  # one holder left
+    assert group.leave() is slots and group.vacant  # the last one gives the slots back
+    assert group.admission_prefix(2, 0) == 0
+
+
+@gpu
+def test_gpu_shared_samples_equal_samples_prefilled_alone(tiny_dirs):
+    """On the GPU path (Triton attention, decode and prefill CUDA graphs, overlap) in float32:
+    a follower admitted alone replays the one-request prefill graph after its cached prefix,
+    several together run the eager extend; the tokens are those of samples prefilled alone."""
+    for prompts, n in ((PROMPTS[2:3], 2), (PROMPTS, 4)):
+        # one prompt: a prefill budget of its length puts the follower in the next step, alone
+        cfg = dict(device="cuda", dtype="float32", kv_cache_tokens=4096,
+                   max_prefill_tokens=len(prompts[0]) if n == 2 else None)
+        sp = SamplingParams(max_new_tokens=12, n=n, temperature=1.0, seed=5, ignore_eos=True)
+        shared_engine, shared = run(tiny_dirs, True, sp, prompts, **cfg)
+        _, alone = run(tiny_dirs, False, sp, prompts, **cfg)
+        assert tokens(shared) == tokens(alone)
+        assert shared_engine.stats.shared_prompt_tokens == sum((n - 1) * (len(p) - 1) for p in prompts)
+        assert_pool_empty(shared_engine)
+        if n == 2:  # the leader's prefill, then the follower's token: both one-request graphs
+            assert shared_engine.runner.graph_runner.prefill.num_replays >= 2
