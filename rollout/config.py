@@ -193,8 +193,9 @@ class EngineConfig:
     # batch 4 on the cpu-small shape) at the cost of a second copy of those weights in memory
     cpu_packed_weights: bool = True
     check_finite: bool = False  # weight updates: reject NaN/inf tensors
-    # the n samples of a prompt share its KV cache: one prefill of the prompt, then one token a
-    # sample (`prompt_group`); False: each sample prefills its prompt alone
+    # the samples of a prompt in one call (its n, and its copies) share its KV cache: one
+    # prefill of the prompt, then one token a sample (`prompt_group`); False: each sample
+    # prefills its prompt alone
     share_prompt_kv: bool = True
     pause_mode: str = "retract"
     show_progress: bool = False

@@ -1,13 +1,14 @@
 """The samples of one prompt share the KV cache of its prompt.
 
-Why: RL rollouts ask for many samples of each prompt (GRPO groups of 8-64). Prefilled one by
-one, each sample computes the same prompt again and holds its own copy of the same keys and
-values. Here the first sample admitted (the group's leader) prefills the whole prompt; the
-KV slots of all its tokens but the last become the group's, and every later sample of the
-prompt (a follower) points its request row at them and computes only the last prompt token —
-its own logits for its own first draw — as an extend after that cached prefix. A prompt of L
-tokens sampled n times then costs L + n - 1 prefill tokens and L - 1 + n slots of prompt KV,
-not n·L of each.
+Why: RL rollouts ask for many samples of each prompt (GRPO groups of 8-64), as `n` or by giving
+the prompt again (`request_builder.prompt_groups`: every sample of one `generate` call whose
+prompt has the same tokens). Prefilled one by one, each sample computes the same prompt again
+and holds its own copy of the same keys and values. Here the first sample admitted (the group's
+leader) prefills the whole prompt; the KV slots of all its tokens but the last become the
+group's, and every later sample of the prompt (a follower) points its request row at them and
+computes only the last prompt token — its own logits for its own first draw — as an extend
+after that cached prefix. A prompt of L tokens sampled n times then costs L + n - 1 prefill
+tokens and L - 1 + n slots of prompt KV, not n·L of each.
 
 The Scheduler owns the group's state (`slots`, `holders`, `version`, the lead); a request
 only points at its group (`Request.group`) and says how many leading slots of its row are the

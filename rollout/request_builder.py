@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from rollout.errors import InvalidRequestError, KVCacheBudgetError
-from rollout.prompt_group import new_group
+from rollout.prompt_group import PromptGroup, new_group
 from rollout.request import Request
 from rollout.random_stream import mix_seed
 from rollout.sampling_params import SamplingParams
@@ -41,12 +41,13 @@ class RequestBuilder:
         check_prompt_list(prompts)
         per_prompt = params_list(params, len(prompts))
         ids, arrays = self._encode_all(prompts)
-        return [req for i, (p, a, sp) in enumerate(zip(ids, arrays, per_prompt))
-                for req in self._expand(i, p, a, sp)]
+        groups = prompt_groups(arrays, per_prompt) if self.share_prompt_kv else [None] * len(ids)
+        return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))
+                for req in self._expand(i, p, a, sp, g)]
 
-    def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams) -> list[Request]:
+    def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams,
+                group: Optional[PromptGroup]) -> list[Request]:
         base = resolve_seed(sp, self._rng)
-        group = new_group(len(prompt), sp.n) if self.share_prompt_kv else None
         out = []
         for k in range(sp.n):
             seed = base if sp.n == 1 else mix_seed(base, k)
@@ -143,6 +144,20 @@ def _as_ids(index: int, prompt: Any) -> list[int]:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidRequestError(f"prompt {index} holds {t!r}; token ids must be ints")
     return ids
+
+
+def prompt_groups(arrays: Sequence[np.ndarray], params: Sequence[SamplingParams]
+                  ) -> list[Optional[PromptGroup]]:
+    """Each prompt's group: every sample of one call whose prompt has the same tokens shares
+    its KV — its `n` samples, and the samples of the same prompt given again (as RL loops often
+    repeat a prompt instead of asking for n; the KV depends on the tokens alone, not on the
+    sampling parameters)."""
+    samples: dict[bytes, int] = {}
+    keys = [a.tobytes() for a in arrays]
+    for key, sp in zip(keys, params):
+        samples[key] = samples.get(key, 0) + sp.n
+    groups = {key: new_group(len(a), samples[key]) for key, a in zip(keys, arrays)}
+    return [groups[key] for key in keys]
 
 
 def check_prompt_list(prompts: Any) -> None:

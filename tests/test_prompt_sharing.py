@@ -73,6 +73,23 @@ def test_tiny_pool_retracts_group_members_and_still_matches(tiny_dirs, overlap):
     assert_pool_empty(small)
 
 
+def test_a_prompt_given_again_in_a_call_shares_too(tiny_dirs):
+    """RL loops often repeat a prompt instead of asking for n: the samples of every copy of the
+    same tokens in one call share one group, whatever their sampling parameters."""
+    p, q = PROMPTS[0], PROMPTS[2]
+    sps = [SamplingParams(max_new_tokens=5, n=2, seed=1, ignore_eos=True),
+           SamplingParams(max_new_tokens=7, n=2, seed=2, ignore_eos=True),
+           SamplingParams(max_new_tokens=9, temperature=0.5, seed=3, ignore_eos=True)]
+    engine = Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096))
+    shared = engine.generate([p, q, p], sps)
+    alone = Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=4096,
+                                share_prompt_kv=False)).generate([p, q, p], sps)
+    assert tokens(shared) == tokens(alone)
+    assert engine.stats.prefill_tokens == (len(p) + 2) + (len(q) + 1)  # p's 3 samples, q's 2
+    assert engine.stats.shared_prompt_tokens == 2 * (len(p) - 1) + (len(q) - 1)
+    assert_pool_empty(engine)
+
+
 def test_followers_past_the_prefill_budget_join_in_a_later_step(tiny_dirs):
     """A prefill budget of the prompt's length: the leader's step holds its prompt alone, the
     followers come in the next step and take the group's held slots into their rows."""
