@@ -151,13 +151,21 @@ def prompt_groups(arrays: Sequence[np.ndarray], params: Sequence[SamplingParams]
     """Each prompt's group: every sample of one call whose prompt has the same tokens shares
     its KV — its `n` samples, and the samples of the same prompt given again (as RL loops often
     repeat a prompt instead of asking for n; the KV depends on the tokens alone, not on the
-    sampling parameters)."""
-    samples: dict[bytes, int] = {}
-    keys = [a.tobytes() for a in arrays]
-    for key, sp in zip(keys, params):
-        samples[key] = samples.get(key, 0) + sp.n
-    groups = {key: new_group(len(a), samples[key]) for key, a in zip(keys, arrays)}
-    return [groups[key] for key in keys]
+    sampling parameters). Prompts are told apart by a hash of their tokens, then compared."""
+    buckets: dict[tuple[int, int], list[int]] = {}  # (length, hash) -> distinct prompts' indices
+    owners = []  # per prompt: the index of the first prompt with its tokens
+    for i, a in enumerate(arrays):
+        bucket = buckets.setdefault((len(a), hash(a.tobytes())), [])
+        owner = next((j for j in bucket if np.array_equal(arrays[j], a)), None)
+        if owner is None:
+            bucket.append(i)
+            owner = i
+        owners.append(owner)
+    samples: dict[int, int] = {}
+    for owner, sp in zip(owners, params):
+        samples[owner] = samples.get(owner, 0) + sp.n
+    groups = {j: new_group(len(arrays[j]), n) for j, n in samples.items()}
+    return [groups[j] for j in owners]
 
 
 def check_prompt_list(prompts: Any) -> None:

@@ -181,3 +181,15 @@ def test_gpu_shared_samples_equal_samples_prefilled_alone(tiny_dirs):
         assert_pool_empty(shared_engine)
         if n == 2:  # the leader's prefill, then the follower's token: both one-request graphs
             assert shared_engine.runner.graph_runner.prefill.num_replays >= 2
+
+
+def test_prompt_groups_of_a_call():
+    """The same tokens → one group (sized by all their samples); other tokens of the same
+    length, a lone sample, a one-token prompt → none shared with them."""
+    from rollout.request_builder import prompt_groups
+    arrays = [np.array(p, dtype=np.int64) for p in ([1, 2, 3], [1, 2, 4], [1, 2, 3], [5], [5])]
+    one, two = SamplingParams(n=1), SamplingParams(n=2)
+    groups = prompt_groups(arrays, [one, one, two, two, one])
+    assert groups[0] is groups[2] and groups[0].prefix_len == 2
+    assert groups[1] is None  # [1, 2, 4]: one sample
+    assert groups[3] is None and groups[4] is None  # one token: nothing to share
