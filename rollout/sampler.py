@@ -112,7 +112,10 @@ def _cpu_cdf_buffer(shape: torch.Size) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float64)
     buf = getattr(_cpu_scratch, "cdf", None)
     if buf is None or buf.numel() < n:
-        buf = _cpu_scratch.cdf = torch.empty(n, dtype=torch.float64)
+        # a normal tensor even when made under inference_mode (the engine's): callers outside
+        # it (tests, a trainer's own sampling) may write it in place too
+        with torch.inference_mode(False):
+            buf = _cpu_scratch.cdf = torch.empty(n, dtype=torch.float64)
     return buf[:n].view(shape)
 
 

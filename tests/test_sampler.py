@@ -97,6 +97,23 @@ def test_unfiltered_rows_draw_the_same_whatever_the_other_rows_filter():
     assert torch.equal(sample(mixed_logits, info).tokens[:200], alone.tokens)
 
 
+def test_cpu_scan_buffer_made_under_inference_mode_serves_outside_it():
+    """The CPU inverse CDF scans in a per-thread buffer that grows on demand. Grown inside
+    torch.inference_mode (the engine's step), it must stay writable outside it (a direct call,
+    a trainer's own sampling), and give the same draws there."""
+    from rollout.sampler import _cpu_scratch, inverse_cdf
+    _cpu_scratch.cdf = None
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(8, 300, generator=g), -1)
+    u = torch.rand(8, generator=g, dtype=torch.float64)
+    with torch.inference_mode():
+        inside = inverse_cdf(torch.softmax(torch.randn(16, 400, generator=g), -1),
+                             torch.rand(16, generator=g, dtype=torch.float64))
+        assert inside.shape == (16, 1)
+        again = inverse_cdf(probs, u)
+    assert torch.equal(inverse_cdf(probs, u), again)
+
+
 def test_blocked_inverse_cdf_equals_the_flat_one():
     """The GPU's two-level inverse CDF picks the token the full float64 prefix sum picks, for
     peaked and flat rows, zeros (filtered tokens), a vocabulary that is not a multiple of the
