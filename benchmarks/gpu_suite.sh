@@ -429,6 +429,11 @@ for stage in "$@"; do
               for s in on off; do flag=; [ $s = off ] && flag=--no-share-prompt-kv
               run share28b_$s 200 python3 benchmarks/call_breakdown.py --batch-sizes 32 128 \
               --samples-per-prompt 8 --repeats 3 $flag --out "$OUT/share28b_$s.json"; done ;;
+    # long shared prompts: does a group's one copy of its prompt's KV also cut decode time?
+    share28c) for s in on off; do flag=; [ $s = off ] && flag=--no-share-prompt-kv
+              run share28c_$s 240 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 128 --samples-per-prompt 8 --prompt-len 2048 \
+              --new-tokens 64 --repeats 2 --skip-hf $flag --out "$OUT/share28c_$s.json"; done ;;
     sync27) run sync27 200 python3 benchmarks/sync_audit.py --batch-sizes 1 8 128 --out "$OUT/sync27.json" ;;
     lead27) run lead27 200 python3 benchmarks/prefill_host_lead.py --batch 128 --cprofile 30 --out "$OUT/lead27.json" ;;
     startup27) run startup27 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
