@@ -19,7 +19,7 @@ import random
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import ray
 
@@ -63,9 +63,17 @@ class _Call:
     result: Future = field(default_factory=Future)
 
 
-def work_estimate(prompt: Prompt, sp: SamplingParams) -> int:
-    """Tokens a prompt may cost its replica: n × (prompt + max new tokens)."""
-    return sp.n * (len(prompt) + sp.max_new_tokens)
+def work_estimate(prompt: Prompt, sp: SamplingParams, shared: bool = True) -> int:
+    """Tokens a prompt may cost its replica: its prefill — once, and a token for each other
+    sample, where its samples share the prompt's KV (`shared`, rollout.prompt_group) — and
+    n × max new tokens."""
+    prefill = len(prompt) + sp.n - 1 if shared else sp.n * len(prompt)
+    return prefill + sp.n * sp.max_new_tokens
+
+
+def prompt_key(prompt: Prompt) -> Union[str, tuple[int, ...]]:
+    """What tells copies of a prompt apart from other prompts (its text, or its ids)."""
+    return prompt if isinstance(prompt, str) else tuple(prompt)
 
 
 class RolloutController(ControllerWeightsMixin, RecoveryMixin):
@@ -151,17 +159,24 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
 
     def _assign(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[_Part]:
         """Each prompt (with all its n samples) to the alive replica with the least outstanding
-        work (waiting while every replica is being rebuilt)."""
+        work (waiting while every replica is being rebuilt); with shared prompt KV, a copy of a
+        prompt to the replica of its first copy, where its samples join theirs."""
+        shared = self.config.share_prompt_kv
         while True:
             self._pick_alive()
             with self._lock:
                 alive = [i for i, s in enumerate(self._state) if s == ALIVE]
                 if not alive:  # one failed just now: wait again
                     continue
-                load, parts = list(self._outstanding), {}
+                load, parts, homes = list(self._outstanding), {}, {}
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                    r = min(alive, key=load.__getitem__)
-                    cost = work_estimate(prompt, sp)
+                    key = prompt_key(prompt) if shared else i
+                    r = homes.get(key)
+                    if r is None:
+                        r = homes[key] = min(alive, key=load.__getitem__)
+                        cost = work_estimate(prompt, sp, shared)
+                    else:  # a copy: its samples follow the first copy's prefill there
+                        cost = sp.n * (1 + sp.max_new_tokens)
                     load[r] += cost
                     part = parts.setdefault(r, _Part(r))
                     part.indices.append(i)

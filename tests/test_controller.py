@@ -99,6 +99,21 @@ def test_n_samples_of_a_prompt_stay_on_one_replica(controllers):
     assert all(r["alive"] and r["outstanding_work"] == 0 for r in ctl.status())
 
 
+def test_copies_of_a_prompt_go_where_its_first_copy_goes(controllers, engine):
+    """A prompt given again in the call follows its first copy to that replica, where their
+    samples share the prompt's KV: the first replica computes prompt 7 tokens + 1, the other
+    the 10-token prompt; the outputs are the single engine's."""
+    ctl = controllers["dp2"]
+    before = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
+    prompts = [RAGGED[1], RAGGED[3], RAGGED[1]]  # idle replicas: 0, 1, then the copy to 0
+    sp = SamplingParams(max_new_tokens=4, seed=3)
+    outs = ctl.generate(prompts, sp)
+    after = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
+    assert [a - b for a, b in zip(after, before)] == [7 + 1, 10]
+    assert_same(outs, engine.generate(prompts, sp))
+    assert all(r["alive"] and r["outstanding_work"] == 0 for r in ctl.status())
+
+
 def test_async_forms_equal_generate(controllers, engine):
     ctl = controllers["dp2"]
     sps = [SamplingParams(max_new_tokens=6, seed=i) for i in range(4)]
