@@ -193,3 +193,21 @@ def test_prompt_groups_of_a_call():
     assert groups[0] is groups[2] and groups[0].prefix_len == 2
     assert groups[1] is None  # [1, 2, 4]: one sample
     assert groups[3] is None and groups[4] is None  # one token: nothing to share
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_mix_of_copies_samples_and_stops_in_a_tiny_pool(tiny_dirs, overlap):
+    """24 prompts drawn from 5 (copies), 1-4 samples each, 1-12 new tokens, a stop token, in a
+    pool of 150 slots (members retracted and recomputed, groups vacated and led anew): the
+    tokens of the unshared engine with a large pool, and every slot back after the call."""
+    rng = np.random.default_rng(4)
+    base = [PROMPTS[0], PROMPTS[2], PROMPTS[3], [7, 7, 7, 7], PROMPTS[1]]
+    prompts = [base[i] for i in rng.integers(0, len(base), 24)]
+    sps = [SamplingParams(max_new_tokens=int(rng.integers(1, 13)), n=int(rng.integers(1, 5)),
+                          temperature=1.0, seed=int(rng.integers(0, 1000)), stop_token_ids=(3,))
+           for _ in prompts]
+    small, shared = run(tiny_dirs, True, sps, prompts, kv_cache_tokens=150, overlap_schedule=overlap)
+    _, alone = run(tiny_dirs, False, sps, prompts)
+    assert tokens(shared) == tokens(alone)
+    assert small.stats.retractions > 0 and small.stats.shared_prompt_tokens > 0
+    assert_pool_empty(small)
