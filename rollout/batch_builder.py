@@ -43,7 +43,8 @@ def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Seq
     ends = np.cumsum(ext)
     num_tokens = int(ends[-1]) if b else 0
     names = INDEX_FIELDS if mode.is_decode or return_all_logits else INDEX_FIELDS + (LOGITS_ROWS,)
-    sizes = [num_tokens] * NUM_TOKEN_FIELDS + [b] * (len(names) - NUM_TOKEN_FIELDS)
+    per_request_fields = len(names) - NUM_TOKEN_FIELDS
+    sizes = [num_tokens] * NUM_TOKEN_FIELDS + [b] * per_request_fields
     if shared is not None:
         names += SHARED_FIELDS
         sizes += [sum(n for _, _, n in shared)] * len(SHARED_FIELDS)
@@ -51,9 +52,8 @@ def build_batch(mode: ForwardMode, rows: Sequence[int], new_tokens: Sequence[Seq
     host = np.empty(sum(sizes), dtype=np.int64)
     split = NUM_TOKEN_FIELDS * num_tokens
     ids, positions, slots, token_rows = host[:split].reshape(NUM_TOKEN_FIELDS, num_tokens)
-    per_request_end = split + b * (len(names) - NUM_TOKEN_FIELDS
-                                   - (len(SHARED_FIELDS) if shared is not None else 0))
-    per_request = host[split:per_request_end].reshape(-1, b)
+    per_request_end = split + b * per_request_fields
+    per_request = host[split:per_request_end].reshape(per_request_fields, b)
     req_rows, seq_lens, ext_lens, prefix = per_request[:4]
     req_rows[:] = rows
     ext_lens[:] = ext
