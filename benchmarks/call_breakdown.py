@@ -58,12 +58,17 @@ def main() -> None:
                    help="a batch is batch / N prompts sampled N times each (GRPO groups)")
     p.add_argument("--no-share-prompt-kv", action="store_true",
                    help="each sample prefills its prompt alone (EngineConfig.share_prompt_kv)")
+    p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
+                   help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
+                        "one-request prefill graphs only)")
     p.add_argument("--out", default="breakdown.json")
     args = p.parse_args()
     if 1 not in args.lengths or 2 not in args.lengths or max(args.lengths) < 3:
         p.error("--lengths must hold 1, 2 and a length above 2")
+    graph_requests = args.prefill_graph_requests and tuple(args.prefill_graph_requests)
     engine = Engine(gpu_engine_config(model_dir_for(args.shape), max(args.batch_sizes),
-                                      share_prompt_kv=not args.no_share_prompt_kv))
+                                      share_prompt_kv=not args.no_share_prompt_kv,
+                                      cuda_graph_prefill_requests=graph_requests))
     result = {}
     for bs in args.batch_sizes:
         result[str(bs)] = breakdown(engine, bs, args.prompt_len, sorted(args.lengths), args.repeats,

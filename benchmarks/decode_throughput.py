@@ -214,7 +214,10 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true",
-                   help="one-request prefills run eagerly (decode graphs stay)")
+                   help="prefills run eagerly (decode graphs stay)")
+    p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
+                   help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
+                        "one-request prefill graphs only)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="tokens a prefill step may compute (default: the engine's)")
     p.add_argument("--max-running", type=int, default=None,
@@ -244,6 +247,8 @@ def run(args) -> dict:
                                  attention_backend=args.attention_backend,
                                  cuda_graph=not args.no_cuda_graph,
                                  cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
+                                 cuda_graph_prefill_requests=args.prefill_graph_requests
+                                 and tuple(args.prefill_graph_requests),
                                  max_running_requests=args.max_running or max(args.batch_sizes),
                                  cuda_graph_batch_sizes=args.graph_batch_sizes and tuple(args.graph_batch_sizes),
                                  max_prefill_tokens=args.max_prefill_tokens,

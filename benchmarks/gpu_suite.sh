@@ -629,6 +629,19 @@ for stage in "$@"; do
     ab20c) mkdir -p /tmp/base20 && tar -xf base20.tar -C /tmp/base20
            run ab20c 420 python3 benchmarks/engine_ab.py --variants benchmarks/ab_twentieth_session_b.json \
               --rounds ${ROUNDS:-2} --batch-sizes ${AB_BATCHES:-1 128} --repeats 2 --timeout-s 100 --out "$OUT/ab20c.json" ;;
+    # twenty-ninth session: prefill CUDA graphs of many requests. Their GPU specs; then the
+    # continuous-batching rollout (staggered_rollout.py) and the GRPO-shaped calls with the
+    # one-request graphs only ("one") and with the new ones ("all"), processes alternated
+    prefill29) run prefill29_kernels 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py \
+              -k "prefill or graph" -p no:cacheprovider
+              run prefill29_specs 240 python3 -m pytest -q -m gpu tests/test_prompt_sharing.py \
+              tests/test_compile_ahead.py -p no:cacheprovider ;;
+    stag29) for r in ${ROUNDS_LIST:-a b}; do for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
+              run stag29_${v}_$r 150 python3 benchmarks/staggered_rollout.py $flag --out "$OUT/stag29_${v}_$r.json"
+              done; done ;;
+    grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
+              run grpo29_$v 200 python3 benchmarks/call_breakdown.py --batch-sizes 32 128 \
+              --samples-per-prompt 8 --repeats 3 $flag --out "$OUT/grpo29_$v.json"; done ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -154,8 +154,12 @@ GPU_PREFILL_TOKENS = 8192
 CPU_PREFILL_ACTIVATION_BYTES = 4 << 20
 CPU_PREFILL_TOKENS_RANGE = (128, 8192)
 PAUSE_MODES = ("abort", "retract", "in_place")
-# GPU: prefill graph sizes. Past ~512 tokens a prefill's GPU work outweighs its launch overhead.
-DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
+# GPU: prefill graph sizes (`prefill_graphs`), in tokens and in requests. An eager prefill is
+# host-bound up to thousands of tokens (~20 ms of launches for 2,160 tokens of ~4 ms of GPU work
+# on an H200, Qwen2-1.5B shape); request counts in steps of 4x (a padded request costs a few
+# programs that exit and an LM-head row).
+DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_PREFILL_GRAPH_REQUESTS = (1, 4, 16, 64, 256)
 
 
 @dataclass
@@ -179,9 +183,12 @@ class EngineConfig:
     seed: int = 0
     cuda_graph: bool = True
     cuda_graph_batch_sizes: Optional[tuple[int, ...]] = None
-    # one-request prefills of up to this many tokens replay a CUDA graph of the next size up
+    # prefills of up to this many tokens replay a CUDA graph of the next size up
     # (`prefill_graphs`); None: DEFAULT_PREFILL_GRAPH_TOKENS, (): none
     cuda_graph_prefill_tokens: Optional[tuple[int, ...]] = None
+    # ... and of up to this many requests (the next size up); None:
+    # DEFAULT_PREFILL_GRAPH_REQUESTS, (1,): one-request prefills only
+    cuda_graph_prefill_requests: Optional[tuple[int, ...]] = None
     # threads that compile the graphs' Triton kernels before their capture
     # (`triton_compile_ahead`); None: the process's CPU cores (at most 32), 0 or 1: each kernel
     # at its first launch, one at a time
@@ -242,6 +249,10 @@ class EngineConfig:
         if self.cuda_graph_prefill_tokens is not None:
             self.cuda_graph_prefill_tokens = _graph_sizes("cuda_graph_prefill_tokens",
                                                           self.cuda_graph_prefill_tokens, allow_empty=True)
+        if self.cuda_graph_prefill_requests is not None:
+            self.cuda_graph_prefill_requests = _graph_sizes("cuda_graph_prefill_requests",
+                                                            self.cuda_graph_prefill_requests,
+                                                            allow_empty=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -281,6 +292,12 @@ class EngineConfig:
         if self.cuda_graph_prefill_tokens is not None:
             return self.cuda_graph_prefill_tokens
         return DEFAULT_PREFILL_GRAPH_TOKENS
+
+    @property
+    def graph_prefill_requests(self) -> tuple[int, ...]:
+        if self.cuda_graph_prefill_requests is not None:
+            return self.cuda_graph_prefill_requests
+        return DEFAULT_PREFILL_GRAPH_REQUESTS
 
 
 def _graph_sizes(name: str, value: Any, allow_empty: bool) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """Decode CUDA graphs: one graph per batch size and launch class (model forward + logits),
-replayed with padding; and the one-request prefill graphs of `prefill_graphs`, captured into the
-same memory pool. A launch class is the attention backend's (`decode_launch_classes`): where its
+replayed with padding; and the prefill graphs of `prefill_graphs`, captured into the same
+memory pool. A launch class is the attention backend's (`decode_launch_classes`): where its
 decode kernels launch by the batch's longest context (the Triton backend's, past 257 keys up to
 16 requests), a batch size has a graph per class and a replay takes the batch's.
 
@@ -153,7 +153,7 @@ class CudaGraphRunner:
         sizes = mr.config.graph_prefill_tokens
         if not sizes or not self.backend.supports_extend_graphs or mr.tp.size > 1:
             return None
-        return PrefillGraphs(mr, sizes)
+        return PrefillGraphs(mr, sizes, mr.config.graph_prefill_requests)
 
     def release(self) -> None:
         """Drop every graph and its outputs (their private pool is freed with them)."""

@@ -1,8 +1,9 @@
 """Stand-in eager prefills of several requests, for the compile-ahead at start-up.
 
-Why: a rollout starts with a `generate` of many prompts, whose prefill runs eagerly (the
-prefill graphs take one request). Its kernels are mostly those of the decode and prefill graphs,
-but not all: the launch configs of the skinny GEMMs go by row class (2-8, 9-16, 17-32, 33-64,
+Why: a rollout starts with a `generate` of many prompts, whose prefill runs eagerly where no
+prefill graph holds it (more tokens or requests than the largest graph, tp_size > 1, a backend
+without extend graphs). Its kernels are mostly those of the decode and prefill graphs, but not
+all: the launch configs of the skinny GEMMs go by row class (2-8, 9-16, 17-32, 33-64,
 65-128, 129-256 rows; above them cuBLAS), and the variants of a class that no graph reaches (an
 engine whose graphs stop at 8 requests, prefilling 24 prompt tokens) would compile at the first
 `generate` that needs them, one at a time (0.3-2 s each on an H200 host; measured: a first

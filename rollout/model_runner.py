@@ -116,7 +116,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [rows, vocab] float32: one row per request (last token), or every token when
-        `fb.return_all_logits`. With `fb.logits_read_at_once`, a decode graph's logits come in
+        `fb.return_all_logits`. With `fb.logits_read_at_once`, a graph's logits come in
         the model's dtype (`sample` takes either)."""
         if self.released:
             raise EngineNotReadyError(f"memory {sorted(self.released)} is released; call resume_memory")

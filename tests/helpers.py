@@ -2,6 +2,8 @@
 guards of the kernel specs."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -51,11 +53,10 @@ def eager_graph_capture(self) -> None:
             self.backend.meta = replayed
         self.graphs[key] = SimpleNamespace(replay=replay)
     prefill = self.prefill
-    for size in prefill.token_sizes if prefill is not None else ():
-        fb = prefill.static_batch(size)
-        prefill.outputs[size] = prefill.forward(fb)
-        prefill.graphs[size] = SimpleNamespace(
-            replay=lambda fb=fb, size=size: prefill.outputs[size].copy_(prefill.forward(fb)))
+    for key in prefill.keys if prefill is not None else ():
+        fb = prefill.static_batch(*key)
+        prefill.forward(fb)
+        prefill.graphs[key] = SimpleNamespace(replay=functools.partial(prefill.forward, fb))
 
 
 def hf_model(path: str, dtype=torch.float32):

@@ -213,19 +213,22 @@ def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, mo
     runner = CudaGraphRunner(driver.runner)
     keys = runner.graph_keys()
     assert len(keys) == 5  # (1, 0), (1, 1), (2, 0), (2, 1), (4, 0): two classes up to 16 on CPU
+    # the prefill graphs: 16 tokens by 1, 4, 16 requests, 32 by 1, 4, 16, 32 (the default sizes)
+    prefills = len(runner.prefill.keys)
+    assert prefills == 7
     # + the step's kernels outside the graphs: the sampler at one row (max_bs < 64) for float32
     # logits, T = 1 and not; the graph-input kernel with and without pending ids; the slot write
     step = 2 + 2 + 1
     # + the eager multi-request prefills, one a row class (this engine's budget holds them all)
     eager = len(eager_prefill_ahead.STAND_IN_TOKENS)
     assert len(eager_prefill_ahead.stand_in_forwards(driver.runner)) == eager
-    assert calls == [len(keys) + 2 + step + eager] and cleared == [1]
-    assert runner.ahead == AheadStats(compiled=len(keys) + 2 + step + eager, workers=3)
+    assert calls == [len(keys) + prefills + step + eager] and cleared == [1]
+    assert runner.ahead == AheadStats(compiled=len(keys) + prefills + step + eager, workers=3)
     assert torch.equal(runner.inputs.table, runner.inputs.pad)  # the stand-ins left them idle
     assert sorted(runner.graphs) == sorted(k for k, _ in keys)
     runner.release()
     runner.recapture()
-    assert calls == [len(keys) + 2 + step + eager] and cleared == [1]
+    assert calls == [len(keys) + prefills + step + eager] and cleared == [1]
     assert len(runner.graphs) == len(keys)
 
 

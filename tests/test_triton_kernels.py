@@ -352,6 +352,31 @@ def test_extend_packed_rows_equal_the_unpacked_kernels(dtype):
         assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("config", [None, (16, 16, 2, 2), (16, 16, 4, 2, True)])
+def test_extend_block_table_equals_the_grid_launch(config):
+    """A program table (`extend_blocks`, a CUDA graph's launch) gives each (request, block) the
+    grid launch's program: the same rows bit for bit, with zero-length requests in between and
+    after (a graph's padded request rows) and the table sized for more tokens than the batch has
+    (its padded token rows, left untouched)."""
+    from rollout.attention.triton_kernels.extend import UNUSED_BLOCK, extend_blocks
+    seq_lens, prefix_lens = SEQ_LENS[:3] + [4] + SEQ_LENS[3:] + [1], PREFIX_LENS[:3] + [4] + PREFIX_LENS[3:] + [1]
+    p = make_paged(seq_lens, prefix_lens, kv_heads=2, head_dim=16, seed=2)
+    ext, prefix, start = extend_meta(p)  # request 3 and the last: no new tokens
+    q = torch.randn(int(ext.sum()), 4, 16, device=DEV)
+    cfg = ExtendConfig(*config) if config is not None else ExtendConfig()
+    grid_out = extend_attention(q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix,
+                                int(ext.max()), 0.25, config=cfg)
+    padded_q = torch.cat([q, torch.randn(9, 4, 16, device=DEV)])
+    blocks = extend_blocks(ext, padded_q.shape[0], cfg.block_m)
+    used = [(r, m) for r, m in zip(blocks.request.tolist(), blocks.m_block.tolist()) if m != UNUSED_BLOCK]
+    assert used == [(b, m) for b, n in enumerate(ext.tolist()) for m in range(-(-n // cfg.block_m))]
+    out = torch.full_like(padded_q, 7.0)
+    extend_attention(padded_q, p.k, p.v, p.req_to_token, p.rows, start, ext, prefix, 0, 0.25,
+                     out=out, config=cfg, blocks=blocks)
+    assert torch.equal(out[:q.shape[0]], grid_out)
+    assert bool((out[q.shape[0]:] == 7.0).all())
+
+
 def test_extend_packed_config_under_16_rows_is_refused():
     """A packed launch of fewer than the 16 rows tl.dot takes (a group of 2 × 4 tokens) is a
     ValueError naming the config, raised before any launch."""
@@ -535,54 +560,65 @@ def greedy_both(graphed: RunnerDriver, eager: RunnerDriver, prompts, steps: int)
 
 
 def test_prefill_graphs_on_cpu(tiny_dirs, monkeypatch):
-    """One-request prefills replay the prefill graph of the next size up (padded rows write the
-    dummy slot and are dropped), fresh and after a cached prefix (a chunked prompt), with the
-    logits and the KV of the eager prefill: the decode steps after them agree too. Batches of
-    two requests, and prompt-logprob batches, stay eager."""
+    """Prefills replay the prefill graph of the next token and request sizes up (padded token
+    rows write the dummy slot and are dropped, padded request rows compute nothing), fresh and
+    after a cached prefix (a chunked prompt), one request or several of ragged lengths, with the
+    logits and the KV of the eager prefill: the decode steps after them agree too. Prompt-logprob
+    batches, and batches past the largest sizes, stay eager."""
     from rollout.cuda_graph_runner import CudaGraphRunner
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     path = tiny_dirs["Qwen2ForCausalLM"]
     cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
-               cuda_graph_batch_sizes=(1, 2), cuda_graph_prefill_tokens=(4, 8, 16))
+               cuda_graph_batch_sizes=(1, 2, 4), cuda_graph_prefill_tokens=(4, 8, 16, 32),
+               cuda_graph_prefill_requests=(1, 2, 8))
     graphed = RunnerDriver(path, **cfg)
     runner = graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
+    prefill = runner.prefill
+    assert prefill.keys == [(32, 8), (32, 2), (32, 1), (16, 8), (16, 2), (16, 1), (8, 8), (8, 2),
+                            (8, 1), (4, 4), (4, 2), (4, 1)]  # 8 requests clipped to 4 tokens
     eager = RunnerDriver(path, **cfg)
-    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [7] * 13, [2]):
-        replays = runner.prefill.num_replays
-        g_tokens, g_logits = greedy(graphed, [prompt], 3)
-        e_tokens, e_logits = greedy(eager, [prompt], 3)
-        assert runner.prefill.num_replays == replays + 1
+    cases = (([[3, 1, 4, 1, 5]], (8, 1)), ([[9, 2, 6, 5, 3, 5, 8, 9]], (8, 1)), ([[7] * 13], (16, 1)),
+             ([[2]], (4, 1)), ([[1, 2], [3]], (4, 2)), ([[5, 1, 2], [8] * 9, [4]], (16, 8)),
+             ([[6, 2, 3], [9], [1, 1], [4, 4, 4, 4, 4], [7]], (16, 8)))
+    for prompts, key in cases:
+        replays = prefill.num_replays
+        g_tokens, g_logits = greedy(graphed, prompts, 3)
+        e_tokens, e_logits = greedy(eager, prompts, 3)
+        assert prefill.num_replays == replays + 1 and prefill.last_key == key
         assert g_tokens == e_tokens
         assert (g_logits - e_logits).abs().max().item() <= 1e-5
-    # a cached prefix of 6 tokens, then 9 new ones: the graph of 16
-    replays = runner.prefill.num_replays
+    # cached prefixes of 6 and 2 tokens, then 9 and 3 new ones beside a fresh 4-token prompt
+    replays = prefill.num_replays
     for driver in (graphed, eager):
-        driver.prefill([[4, 4, 2, 7, 1, 3]])
-        fb = build_batch(ForwardMode.EXTEND, driver.rows, [[5, 9, 8, 6, 1, 2, 2, 7, 3]], driver.lens,
-                         driver.alloc, DEV)
-        driver.lens = [15]
+        driver.prefill([[4, 4, 2, 7, 1, 3], [8, 6]])
+        rows = driver.rows + [driver.alloc.alloc_row()]
+        fb = build_batch(ForwardMode.EXTEND, rows, [[5, 9, 8, 6, 1, 2, 2, 7, 3], [1, 2, 3], [6, 5, 4, 3]],
+                         driver.lens + [0], driver.alloc, DEV)
+        driver.rows, driver.lens = rows, [15, 5, 4]
         driver.chunked = driver.forward(fb)
+        driver.chunked_next = driver.decode(driver.chunked.argmax(-1).tolist())
+    assert prefill.last_key == (16, 8) and prefill.num_replays == replays + 2
     assert (graphed.chunked - eager.chunked).abs().max().item() <= 1e-5
-    assert runner.prefill.num_replays == replays + 2
-    replays = runner.prefill.num_replays
-    two = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row(), graphed.alloc.alloc_row()],
-                      [[1, 2], [3]], [0, 0], graphed.alloc, DEV)
-    assert not runner.can_run(two)
-    long = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row()], [list(range(1, 18))], [0],
+    assert (graphed.chunked_next - eager.chunked_next).abs().max().item() <= 1e-5
+    replays = prefill.num_replays
+    many = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row() for _ in range(9)],
+                       [[i + 1] for i in range(9)], [0] * 9, graphed.alloc, DEV)
+    assert not runner.can_run(many)  # 9 requests: past the largest request size
+    long = build_batch(ForwardMode.EXTEND, [graphed.alloc.alloc_row()], [list(range(1, 34))], [0],
                        graphed.alloc, DEV)
-    assert not runner.can_run(long)  # 17 tokens: past the largest graph
+    assert not runner.can_run(long)  # 33 tokens: past the largest graph
     all_logits = dataclasses.replace(long, input_ids=long.input_ids[:3], return_all_logits=True)
     assert not runner.can_run(all_logits)
-    assert runner.prefill.num_replays == replays
+    assert prefill.num_replays == replays
     # captured again after replays (memory resume, a prefetch change): from idle static inputs,
-    # not the last prefill's 9-token request row (its index 8 is past the 4-token graph's rows)
+    # not the last prefill's rows (a 9-token request's index 8 is past the 4-token graph's rows)
     runner.release()
     runner.recapture()
     assert runner.inputs.table.equal(runner.inputs.pad)
     g_tokens, g_logits = greedy(graphed, [[6, 1, 2]], 2)
     e_tokens, e_logits = greedy(eager, [[6, 1, 2]], 2)
-    assert runner.prefill.num_replays == replays + 1
+    assert prefill.num_replays == replays + 1
     assert g_tokens == e_tokens and (g_logits - e_logits).abs().max().item() <= 1e-5
 
 
@@ -723,17 +759,21 @@ def test_cuda_graph_long_context_class_matches_eager(tiny_dirs):
 @gpu
 def test_prefill_graphs_match_eager_prefill(tiny_dirs):
     """Captured prefill graphs (default sizes) against the eager prefill: one-request prompts of
-    ragged lengths, then decode steps over the KV they wrote."""
+    ragged lengths, batches of ragged prompts (padded requests and tokens), then decode steps
+    over the KV they wrote."""
     path = tiny_dirs["Qwen2ForCausalLM"]
     graphed = graph_driver(path)
     eager = RunnerDriver(path, device="cuda", attention_backend="triton",
                          cuda_graph_batch_sizes=(1, 2, 4, 8), cuda_graph_prefill_tokens=())
     prefill = graphed.runner.graph_runner.prefill
     assert prefill is not None and eager.runner.graph_runner.prefill is None
-    for prompt in GRAPH_PROMPTS + [list(range(1, 300))]:
+    batches = [[prompt] for prompt in GRAPH_PROMPTS + [list(range(1, 300))]]
+    batches += [GRAPH_PROMPTS, [list(range(1, 300)), [4], list(range(7, 90))],
+                [[i % 50 + 1] * (i % 7 + 1) for i in range(70)]]  # 70 requests: the graph of 256
+    for prompts in batches:
         replays = prefill.num_replays
-        g_tokens, g_logits = greedy(graphed, [prompt], 6)
-        e_tokens, e_logits = greedy(eager, [prompt], 6)
+        g_tokens, g_logits = greedy(graphed, prompts, 6)
+        e_tokens, e_logits = greedy(eager, prompts, 6)
         assert prefill.num_replays == replays + 1
         assert g_tokens == e_tokens
         assert (g_logits - e_logits).abs().max().item() <= 1e-3

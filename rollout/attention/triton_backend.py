@@ -16,7 +16,8 @@ from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeLaunch, DecodeScratch,
                                                       decode_attention, decode_buffers,
                                                       decode_launch, launch_table_from_env)
-from rollout.attention.triton_kernels.extend import extend_attention
+from rollout.attention.triton_kernels.extend import (ExtendBlocks, ExtendConfig, extend_attention,
+                                                      extend_blocks, extend_config)
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
@@ -39,6 +40,10 @@ class ExtendMetadata:
     extend_prefix_lens: torch.Tensor  # [bs]
     max_extend_len: int  # host int: sizes the launch grid
     zero_padding: bool = False  # rows past the extend lengths are padding: a zeroed output
+    # a CUDA graph's batch (zero_padding): the programs from a device table (`extend_blocks`)
+    # for this launch, not the grid; made at the batch's first layer
+    blocks: Optional[ExtendBlocks] = None
+    config: Optional[ExtendConfig] = None
 
 
 class TritonBackend(AttentionBackend):
@@ -84,10 +89,17 @@ class TritonBackend(AttentionBackend):
     # ---- attention ------------------------------------------------------------------------
     def forward_extend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         m, pool = self.meta, fb.token_to_kv_pool
+        if m.zero_padding and m.blocks is None:
+            # a graph's static batch: its host lengths are its sizes, not the batch's, so the
+            # programs come from the device lengths (a grid would be its requests x its tokens)
+            group = q.shape[1] // pool.k_buffers[layer.layer_id].shape[1]
+            m.config = extend_config(q.shape[2], q.dtype, group)
+            m.blocks = extend_blocks(m.extend_seq_lens, q.shape[0], m.config.block_m)
         return extend_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.extend_start_loc, m.extend_seq_lens, m.extend_prefix_lens,
-            m.max_extend_len, layer.scaling, out=_zeros(q) if m.zero_padding else None)
+            m.max_extend_len, layer.scaling, out=_zeros(q) if m.zero_padding else None,
+            config=m.config, blocks=m.blocks)
 
     def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
         m, pool = self.meta, fb.token_to_kv_pool

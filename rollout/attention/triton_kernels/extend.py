@@ -11,7 +11,10 @@ grid can be sized by the longest extend in the batch. `ExtendConfig.packed`: one
 (request, KV head, block) instead, its rows the block's tokens of every query head of that KV
 head (GQA: Qwen2-1.5B has 6, padded to 8), so each key and value block is loaded once for the
 group rather than once per query head; a row's sums are the unpacked kernel's (bit for bit in
-16-bit; fp32's FMA dot may add in another order)."""
+16-bit; fp32's FMA dot may add in another order). `ExtendBlocks`: the (request, block) pairs as
+a device table instead, one program each, for a CUDA graph's batch (its grid is fixed at
+capture, so sized by requests × longest extend it would be its padded request count × its
+token count: up to 262k programs of which a few thousand work)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -25,17 +28,22 @@ from rollout.attention.triton_kernels.common import block_dmodel, check_kv, dot_
 
 # the per-request rows are views into a step's packed indices, at offsets that go with its
 # request count: not specialized on alignment (one variant for every batch; they load scalars)
-@triton.jit(do_not_specialize_on_alignment=["ReqPoolIdx", "StartLoc", "ExtLens", "PrefixLens"])
+@triton.jit(do_not_specialize_on_alignment=["ReqPoolIdx", "StartLoc", "ExtLens", "PrefixLens",
+                                            "BlockReq", "BlockM"])
 def _extend_kernel(
-    Q, K, V, O, ReqToToken, ReqPoolIdx, StartLoc, ExtLens, PrefixLens, sm_scale,
+    Q, K, V, O, ReqToToken, ReqPoolIdx, StartLoc, ExtLens, PrefixLens, BlockReq, BlockM, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    PACKED: tl.constexpr, GROUP_PAD: tl.constexpr,
+    PACKED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    m_block = tl.program_id(2)
+    if BLOCK_TABLE:  # (request, block) of this program from the table; unused ones: past the end
+        b = tl.load(BlockReq + tl.program_id(0)).to(tl.int32)
+        m_block = tl.load(BlockM + tl.program_id(0)).to(tl.int32)
+    else:
+        b = tl.program_id(0)
+        m_block = tl.program_id(2)
     ext_len = tl.load(ExtLens + b).to(tl.int32)
     if m_block * BLOCK_M < ext_len:
         if PACKED:  # rows: query head g of this KV head × token i of the block, g-major
@@ -112,14 +120,43 @@ def extend_config(head_dim: int, dtype: torch.dtype, group: int = 1) -> ExtendCo
     return ExtendConfig(64, 64, 4 if head_dim <= 64 else 8)
 
 
+# an unused program's block: past any request's last (m_block * BLOCK_M stays within int32)
+UNUSED_BLOCK = 1 << 20
+
+
+class ExtendBlocks(NamedTuple):
+    """The program → (request, block of its new tokens) table of a launch: requests in batch
+    order, each its ceil(extend / block_m) blocks; programs past them take UNUSED_BLOCK."""
+    request: torch.Tensor  # [programs] int64: batch index
+    m_block: torch.Tensor  # [programs] int64
+
+
+def extend_blocks(extend_seq_lens: torch.Tensor, num_tokens: int, block_m: int) -> ExtendBlocks:
+    """The table for any batch of at most `num_tokens` new tokens over extend_seq_lens' requests
+    (zero-length ones included): cdiv(num_tokens, block_m) + requests programs cover every
+    block (each request wastes less than one). Built on the device with fixed shapes, no host
+    sync: a CUDA graph captures it."""
+    batch = extend_seq_lens.shape[0]
+    blocks = (extend_seq_lens + (block_m - 1)) // block_m
+    ends = torch.cumsum(blocks, 0)
+    program = torch.arange(triton.cdiv(num_tokens, block_m) + batch, device=extend_seq_lens.device)
+    request = torch.searchsorted(ends, program, right=True)
+    unused = request >= batch
+    request = request.clamp_(max=batch - 1)
+    m_block = program - (ends[request] - blocks[request])
+    return ExtendBlocks(request, m_block.masked_fill_(unused, UNUSED_BLOCK))
+
+
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor,
                      extend_prefix_lens: torch.Tensor, max_extend_len: int, sm_scale: float,
                      out: torch.Tensor | None = None,
-                     config: Optional[ExtendConfig] = None) -> torch.Tensor:
+                     config: Optional[ExtendConfig] = None,
+                     blocks: Optional[ExtendBlocks] = None) -> torch.Tensor:
     """q [num_tokens, heads, head_dim] (the new tokens, request after request) →
-    [num_tokens, heads, head_dim] in q's dtype. `max_extend_len` (a host int) sizes the grid.
+    [num_tokens, heads, head_dim] in q's dtype. `max_extend_len` (a host int) sizes the grid,
+    or `blocks` (`extend_blocks` for this config's block_m) lists the programs.
     `config`: the launch (default `extend_config`)."""
     group = check_kv(q, k_buffer, v_buffer)
     num_tokens, heads, head_dim = q.shape
@@ -132,15 +169,21 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if cfg.packed and triton.next_power_of_2(group) * cfg.block_m < 16:
         raise ValueError(f"packed extend config {cfg}: {group} query heads a KV head x "
                          f"{cfg.block_m} tokens is under the 16 rows tl.dot takes")
-    grid = (batch, heads // group if cfg.packed else heads, triton.cdiv(max_extend_len, cfg.block_m))
+    head_programs = heads // group if cfg.packed else heads
+    if blocks is None:
+        grid = (batch, head_programs, triton.cdiv(max_extend_len, cfg.block_m))
+        table = (extend_seq_lens, extend_seq_lens)  # not read
+    else:
+        grid, table = (blocks.request.shape[0], head_programs, 1), blocks
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, extend_start_loc,
-        extend_seq_lens, extend_prefix_lens, sm_scale,
+        extend_seq_lens, extend_prefix_lens, *table, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_dmodel(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PRECISION=dot_precision(q.dtype), PACKED=bool(cfg.packed),
-        GROUP_PAD=triton.next_power_of_2(group), num_warps=cfg.num_warps,
+        GROUP_PAD=triton.next_power_of_2(group), BLOCK_TABLE=blocks is not None,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
