@@ -639,6 +639,8 @@ for stage in "$@"; do
     stag29) for r in ${ROUNDS_LIST:-a b}; do for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
               run stag29_${v}_$r 150 python3 benchmarks/staggered_rollout.py $flag --out "$OUT/stag29_${v}_$r.json"
               done; done ;;
+    startup29) run startup29 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
+              --timeout-s 150 --out "$OUT/startup29.json" ;;
     grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
               run grpo29_$v 200 python3 benchmarks/call_breakdown.py --batch-sizes 32 128 \
               --samples-per-prompt 8 --repeats 3 $flag --out "$OUT/grpo29_$v.json"; done ;;

@@ -155,11 +155,14 @@ CPU_PREFILL_ACTIVATION_BYTES = 4 << 20
 CPU_PREFILL_TOKENS_RANGE = (128, 8192)
 PAUSE_MODES = ("abort", "retract", "in_place")
 # GPU: prefill graph sizes (`prefill_graphs`), in tokens and in requests. An eager prefill is
-# host-bound up to thousands of tokens (~20 ms of launches for 2,160 tokens of ~4 ms of GPU work
-# on an H200, Qwen2-1.5B shape); request counts in steps of 4x (a padded request costs a few
-# programs that exit and an LM-head row).
-DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-DEFAULT_PREFILL_GRAPH_REQUESTS = (1, 4, 16, 64, 256)
+# host-bound up to thousands of tokens (~20 ms of launches; H200, Qwen2-1.5B shape), while past
+# ~512 tokens its GPU work grows with the padded token count (~5 us a token): token sizes in
+# steps of 256 up to 2,048 and of 512 up to 4,096 keep the padding under a third (a step of
+# 2,160 tokens padded to 4,096 took as long as eager). A padded request costs one LM-head row
+# and a program that exits, so few request sizes.
+DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048,
+                                2560, 3072, 3584, 4096)
+DEFAULT_PREFILL_GRAPH_REQUESTS = (1, 16, 256)
 
 
 @dataclass

@@ -213,9 +213,9 @@ def test_graph_runner_compiles_ahead_once_before_its_first_capture(tiny_dirs, mo
     runner = CudaGraphRunner(driver.runner)
     keys = runner.graph_keys()
     assert len(keys) == 5  # (1, 0), (1, 1), (2, 0), (2, 1), (4, 0): two classes up to 16 on CPU
-    # the prefill graphs: 16 tokens by 1, 4, 16 requests, 32 by 1, 4, 16, 32 (the default sizes)
+    # the prefill graphs: 16 tokens by 1 and 16 requests, 32 by 1, 16 and 32 (the default sizes)
     prefills = len(runner.prefill.keys)
-    assert prefills == 7
+    assert prefills == 5
     # + the step's kernels outside the graphs: the sampler at one row (max_bs < 64) for float32
     # logits, T = 1 and not; the graph-input kernel with and without pending ids; the slot write
     step = 2 + 2 + 1
