@@ -639,6 +639,20 @@ for stage in "$@"; do
     stag29) for r in ${ROUNDS_LIST:-a b}; do for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
               run stag29_${v}_$r 150 python3 benchmarks/staggered_rollout.py $flag --out "$OUT/stag29_${v}_$r.json"
               done; done ;;
+    # regression after the change: the GPU specs, the kernel specs compiled, whole-engine parity
+    # (float32 and bf16), the sync audit; then a GRPO-shaped continuous-batching rollout
+    regress29) run regress29_gpu 300 python3 -m pytest -q -m gpu tests/test_batch_builder.py \
+              tests/test_compile_ahead.py tests/test_memory_release.py tests/test_overlap_schedule.py \
+              tests/test_prompt_sharing.py tests/test_triton_kernels.py tests/test_triton_sampler.py \
+              tests/test_fused_ops.py tests/test_triton_gemv.py -p no:cacheprovider
+              run regress29_kernels 240 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider
+              run parity29_fp32 200 python3 benchmarks/gpu_parity.py --skip-tp --dtype float32 \
+              --out "$OUT/parity29_fp32.json"
+              run parity29_bf16 200 python3 benchmarks/gpu_parity.py --skip-tp --out "$OUT/parity29_bf16.json"
+              run sync29 150 python3 benchmarks/sync_audit.py --batch-sizes 1 8 128 --out "$OUT/sync29.json" ;;
+    stagshare29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
+              run stagshare29_$v 150 python3 benchmarks/staggered_rollout.py --samples-per-prompt 8 $flag \
+              --out "$OUT/stagshare29_$v.json"; done ;;
     startup29) run startup29 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
               --timeout-s 150 --out "$OUT/startup29.json" ;;
     grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"

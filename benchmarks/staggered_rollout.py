@@ -10,7 +10,7 @@ process (the suite alternates processes), JSON out.
 
 Lengths are drawn once from a seeded generator (the same workload for every variant): prompts
 uniform in [--prompt-min, --prompt-max] tokens, responses in [--new-min, --new-max] (ignore_eos,
-max_new_tokens per request). Reports per call: wall seconds, generated tokens/s, prefill steps
+max_new_tokens per request); with --samples-per-prompt N, groups of N requests of one prompt. Reports per call: wall seconds, generated tokens/s, prefill steps
 and how many of them replayed a prefill graph, decode steps."""
 from __future__ import annotations
 
@@ -27,10 +27,16 @@ from rollout import Engine, SamplingParams
 
 
 def workload(args, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Per request a prompt and its own response length; with --samples-per-prompt N, each
+    prompt is repeated N times in a row (a GRPO group: its samples share the prompt's KV)."""
     g = torch.Generator().manual_seed(args.seed)
-    lens = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g)
+    if args.requests % args.samples_per_prompt:
+        raise SystemExit("--requests must be a multiple of --samples-per-prompt")
+    distinct = args.requests // args.samples_per_prompt
+    lens = torch.randint(args.prompt_min, args.prompt_max + 1, (distinct,), generator=g)
     news = torch.randint(args.new_min, args.new_max + 1, (args.requests,), generator=g)
     prompts = [torch.randint(0, min(vocab, 256), (int(n),), generator=g).tolist() for n in lens]
+    prompts = [p for p in prompts for _ in range(args.samples_per_prompt)]
     params = [SamplingParams(max_new_tokens=int(n), temperature=1.0, ignore_eos=True, seed=i)
               for i, n in enumerate(news)]
     return prompts, params
@@ -55,6 +61,8 @@ def main() -> None:
     p.add_argument("--new-max", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="each prompt N times in a row, as a GRPO group (prompt KV shared)")
     p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
                    help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
                         "one-request prefill graphs only)")
