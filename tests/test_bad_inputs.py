@@ -230,6 +230,10 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
         _config(cuda_graph_batch_sizes=(0, 8)), ConfigError, "cuda_graph_batch_sizes"),
     "config: prefill graph size True": (
         _config(cuda_graph_prefill_tokens=(True, 64)), ConfigError, "cuda_graph_prefill_tokens"),
+    "config: no prefill graph request size": (
+        _config(cuda_graph_prefill_requests=()), ConfigError, "cuda_graph_prefill_requests"),
+    "config: prefill graph request size -4": (
+        _config(cuda_graph_prefill_requests=(1, -4)), ConfigError, "cuda_graph_prefill_requests"),
     "config: no model directory": (
         lambda c: Engine(EngineConfig(model_path=str(c.tmp / "nope"))), ConfigError, "config.json not found"),
     "config: KV budget of 1 token": (
