@@ -46,6 +46,7 @@ def counters(engine) -> dict:
     s, gr = engine.stats, engine.runner.graph_runner
     prefill = gr.prefill if gr is not None else None
     return {"steps": s.steps, "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
+            "mixed_decode_tokens": s.mixed_decode_tokens,
             "prefill_replays": prefill.num_replays if prefill is not None else 0,
             "decode_replays": gr.num_replays if gr is not None else 0}
 
@@ -67,6 +68,8 @@ def main() -> None:
                    help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
                         "one-request prefill graphs only)")
     p.add_argument("--no-prefill-graphs", action="store_true", help="every prefill eager")
+    p.add_argument("--no-mixed-steps", action="store_true",
+                   help="the running requests wait for each admission's step (EngineConfig.mixed_steps)")
     p.add_argument("--out", default="staggered.json")
     args = p.parse_args()
     overrides = {}
@@ -74,6 +77,8 @@ def main() -> None:
         overrides["cuda_graph_prefill_requests"] = tuple(args.prefill_graph_requests)
     if args.no_prefill_graphs:
         overrides["cuda_graph_prefill_tokens"] = ()
+    if args.no_mixed_steps:
+        overrides["mixed_steps"] = False
     engine = Engine(gpu_engine_config(model_dir_for(args.shape), args.max_running, **overrides))
     prompts, params = workload(args, engine.model_config.vocab_size)
     generated = sum(sp.max_new_tokens for sp in params)

@@ -207,6 +207,9 @@ class EngineConfig:
     # prefill of the prompt, then one token a sample (`prompt_group`); False: each sample
     # prefills its prompt alone
     share_prompt_kv: bool = True
+    # an admission's prefill step also carries the running requests' next tokens (one each),
+    # so they do not wait a step for it (`Scheduler`, mixed steps); False: they wait
+    mixed_steps: bool = True
     pause_mode: str = "retract"
     show_progress: bool = False
     load_format: str = "auto"  # "auto": the safetensors checkpoint; "dummy": random (benchmarks)
@@ -233,8 +236,9 @@ class EngineConfig:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if not isinstance(self.share_prompt_kv, bool):
-            raise ConfigError(f"share_prompt_kv must be a bool, got {self.share_prompt_kv!r}")
+        for name in ("share_prompt_kv", "mixed_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.overlap_schedule not in (None, True, False):

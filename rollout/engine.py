@@ -57,7 +57,8 @@ class Engine(EngineWeightsMixin):
         limits = SchedulerLimits(self.config.max_running_requests, self.config.prefill_token_budget(mc),
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
         overlap = self.config.overlap and r.tp.size == 1
-        return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap)
+        return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap,
+                         mixed=self.config.mixed_steps)
 
     @property
     def stats(self):

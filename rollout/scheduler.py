@@ -6,6 +6,11 @@ allow, keeping one free slot per running request for its next decode); otherwise
 running request. When the pool runs dry during decode, the newest request is retracted: its KV
 is freed, its tokens kept, and it goes back to the head of the queue to be recomputed.
 
+Mixed steps (`mixed=True`): an admission's EXTEND batch also carries the running requests'
+next tokens (one token each after their cached KV), so the running requests do not wait a step
+for each admission: in continuous batching, where the waiting requests are admitted a few at a
+time as others finish, that is a decode step saved per admission.
+
 Overlap (`overlap=True`, the default on a single GPU): each step first queues the next batch on
 the device, its input ids taken on the device from the tokens the previous batch is still
 sampling, and only then waits for the previous batch's tokens and applies them. The host's work
@@ -44,6 +49,7 @@ class SchedulerStats:
     aborted: int = 0
     dropped_rows: int = 0  # overlap: rows queued for a request that had finished meanwhile
     shared_prompt_tokens: int = 0  # prompt tokens admitted with their KV cached (prompt_group)
+    mixed_decode_tokens: int = 0  # decode tokens computed in an admission's step (mixed steps)
 
 
 @dataclass(frozen=True)
@@ -56,9 +62,9 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, allocator: KVAllocator, limits: SchedulerLimits, run_batch: RunBatch,
-                 device: torch.device, overlap: bool = False):
+                 device: torch.device, overlap: bool = False, mixed: bool = False):
         self.alloc, self.limits, self.run_batch, self.device = allocator, limits, run_batch, device
-        self.overlap = overlap
+        self.overlap, self.mixed = overlap, mixed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -97,7 +103,7 @@ class Scheduler:
             self.finished_pending.extend(self._complete(step))
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
-        batch = self._admit() or self._decode_batch(prev)
+        batch = self._admit(prev) or self._decode_batch(prev)
         if batch is None:
             return None
         reqs, fb = batch
@@ -107,9 +113,11 @@ class Scheduler:
             r.pending += 1
         return LaunchedStep(reqs, out)
 
-    def _admit(self) -> Optional[tuple[list[Request], ForwardBatch]]:
+    def _admit(self, prev: Optional[LaunchedStep]) -> Optional[tuple[list[Request], ForwardBatch]]:
         """FCFS while rows, the prefill budget and the KV pool allow. A sample of a prompt whose
-        KV is cached (or computed in this step) computes only what follows it (`prompt_group`)."""
+        KV is cached (or computed in this step) computes only what follows it (`prompt_group`).
+        With `mixed`, the running requests' next tokens ride along (one token each after their
+        cached KV, first in the batch): they do not wait for the admission's step."""
         picked, cached, tokens = [], [], 0
         step, version = self.stats.steps, self.weight_version
         while self.waiting and len(self.running) + len(picked) < self.limits.max_running:
@@ -131,14 +139,29 @@ class Scheduler:
             tokens += need
         if not picked:
             return None
-        fb = self._build(ForwardMode.EXTEND, picked,
-                         [r.prefill_ids_from(p) for r, p in zip(picked, cached)], cached,
+        # their slots were reserved above: one per running request
+        decoding = self._decoding() if self.mixed else []
+        fb = self._build(ForwardMode.EXTEND, decoding + picked,
+                         [[0 if r.pending else r.last_id] for r in decoding]
+                         + [r.prefill_ids_from(p) for r, p in zip(picked, cached)],
+                         [r.kv_len for r in decoding] + cached,
                          shared=self._shared_rows(picked, cached, step))
+        if prev is not None and decoding:
+            _take_pending_inputs(fb, decoding, prev)  # one token a row: row i is token i
         self._share_prompts(picked, cached, step, version)
         self.running.extend(picked)
         self.stats.prefill_tokens += tokens
+        self.stats.decode_tokens += len(decoding)
+        self.stats.mixed_decode_tokens += len(decoding)
         self.stats.shared_prompt_tokens += sum(cached)
-        return picked, fb
+        return decoding + picked, fb
+
+    def _decoding(self) -> list[Request]:
+        """The running requests that still need a token (with overlap, one that ends on length
+        with the token in flight is known ahead and not queued again)."""
+        if self.overlap:
+            return [r for r in self.running if not r.ends_by_length_when_applied]
+        return list(self.running)
 
     def _shared_rows(self, picked: Sequence[Request], cached: Sequence[int],
                      step: int) -> Optional[list[tuple[int, int, int]]]:
@@ -179,8 +202,7 @@ class Scheduler:
         a request's input id is the token prev is sampling for it; retraction then waits for
         prev to complete (None here), as it frees KV and keeps the request's tokens."""
         # Without overlap nothing is pending between steps, so no request ends by length unseen.
-        reqs = [r for r in self.running if not r.ends_by_length_when_applied] if self.overlap \
-            else list(self.running)
+        reqs = self._decoding()
         if len(reqs) > self.alloc.num_free_slots:
             if prev is not None:
                 return None
@@ -309,10 +331,13 @@ def _top(sample: HostSample, i: int, req: Request) -> Optional[list[tuple[int, f
 
 def _take_pending_inputs(fb: ForwardBatch, reqs: Sequence[Request], prev: LaunchedStep) -> None:
     """Input ids of the requests whose last token prev is still sampling: copied on the device.
-    In the steady state (the same requests in the same order, all pending) they are prev's
-    tokens as they are: the runner takes them in (`ForwardBatch.input_ids_source`), a decode
-    graph's input kernel with the rest of its inputs."""
-    if len(reqs) == len(prev.reqs) and all(a is b and a.pending for a, b in zip(reqs, prev.reqs)):
+    `reqs` are fb's first rows, one token each (a decode batch, or the decoding rows a mixed
+    admission starts with). In the steady state (a decode batch of the same requests in the
+    same order, all pending) they are prev's tokens as they are: the runner takes them in
+    (`ForwardBatch.input_ids_source`), a decode graph's input kernel with the rest of its
+    inputs."""
+    if (fb.forward_mode.is_decode and len(reqs) == len(prev.reqs)
+            and all(a is b and a.pending for a, b in zip(reqs, prev.reqs))):
         fb.input_ids_source = prev.tokens
         return
     pairs = [(i, prev.row_of[r.rid]) for i, r in enumerate(reqs) if r.pending]
