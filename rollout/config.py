@@ -207,8 +207,9 @@ class EngineConfig:
     # prefill of the prompt, then one token a sample (`prompt_group`); False: each sample
     # prefills its prompt alone
     share_prompt_kv: bool = True
-    # an admission's prefill step also carries the running requests' next tokens (one each),
-    # so they do not wait a step for it (`Scheduler`, mixed steps); False: they wait
+    # an admission's prefill step also carries the running requests' next tokens (one each,
+    # beside max_prefill_tokens of prompts), so they do not wait a step for it (`Scheduler`,
+    # mixed steps); False: they wait
     mixed_steps: bool = True
     pause_mode: str = "retract"
     show_progress: bool = False
