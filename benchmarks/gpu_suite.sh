@@ -659,6 +659,9 @@ for stage in "$@"; do
               for r in ${ROUNDS_LIST:-a b}; do for v in off on; do flag=; [ $v = off ] && flag=--no-mixed-steps
               run mixed29_${v}_$r 150 python3 benchmarks/staggered_rollout.py $flag --out "$OUT/mixed29_${v}_$r.json"
               done; done ;;
+    mixedshare29) for v in off on; do flag=; [ $v = off ] && flag=--no-mixed-steps
+              run mixedshare29_$v 150 python3 benchmarks/staggered_rollout.py --samples-per-prompt 8 $flag \
+              --out "$OUT/mixedshare29_$v.json"; done ;;
     startup29) run startup29 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
               --timeout-s 150 --out "$OUT/startup29.json" ;;
     grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"

@@ -4,7 +4,7 @@ An eager prefill is bound by the host, not the GPU, up to thousands of tokens: f
 Qwen2-1.5B shape, 128 prompt tokens take ~2 ms of GPU work but 15-29 ms of wall time (~145
 Triton launches through Triton's Python launcher, 84 cuBLAS calls and the model's Python around
 them), and a GRPO-shaped step of 16 prompts and their 112 sharing samples (2,160 tokens) ~20 ms
-for ~4 ms. That is a fixed cost of every call, and in continuous batching every admission of new
+for ~10 ms. That is a fixed cost of every call, and in continuous batching every admission of new
 requests stalls the running decodes for it. Replaying a graph is one launch.
 
 The graph (T, R) runs any EXTEND batch of n <= T new tokens over r <= R requests (after any
@@ -13,9 +13,9 @@ static inputs are a [3, T] token table (ids, positions, KV slots) and a [4, R] r
 (request row, seq_len, extend length, prefix length). Token rows n..T are padding: token 0 at
 position 0 writing its KV to the dummy slot 0; request rows r..R are padding: no new tokens. The
 extend attention takes its programs from a device table built from the extend lengths
-(`extend_blocks`: the grid of a fixed launch would be R × T / 8 programs), computes only the
-requests' rows, and the backend hands the graph a zeroed attention output, so padded rows stay
-finite and touch nothing a real token reads. The LM head reads each request's last row
+(`extend_blocks`: a grid fixed at capture would be R × T / block_m programs a head), computes
+only the requests' rows, and the backend hands the graph a zeroed attention output, so padded
+rows stay finite and touch nothing a real token reads. The LM head reads each request's last row
 (cumsum(extend lengths) - 1, on the device). Every graph writes its logits, in the model's dtype,
 into one shared [max requests, vocab] buffer (a graph's own output would hold ~R × 0.3 MB of the
 pool per graph). The model runner writes req_to_token from the real batch before the replay, as

@@ -472,7 +472,9 @@ def test_graph_runner_padding_on_cpu(tiny_dirs, monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     path = tiny_dirs["Qwen3ForCausalLM"]
-    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
+    # decode graphs only: the interpreter would run every stand-in prefill graph's forward
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
+               cuda_graph_prefill_tokens=())
     graphed = RunnerDriver(path, cuda_graph_batch_sizes=(1, 2, 4, 8), **cfg)
     graphed.runner.graph_runner = CudaGraphRunner(graphed.runner)
     eager = RunnerDriver(path, **cfg)
@@ -665,7 +667,8 @@ def test_graph_logits_are_copied_unless_read_at_once(tiny_dirs, monkeypatch):
     from rollout.cuda_graph_runner import CudaGraphRunner
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
-    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False)
+    cfg = dict(device=DEV.type, attention_backend="triton", cuda_graph=False,
+               cuda_graph_prefill_tokens=())
     driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], cuda_graph_batch_sizes=(1, 2, 4), **cfg)
     runner = driver.runner.graph_runner = CudaGraphRunner(driver.runner)
     logits = driver.prefill([[1, 2, 3], [4, 5]])
@@ -689,8 +692,8 @@ def test_bf16_graph_hands_the_sampler_the_heads_logits(tiny_dirs, monkeypatch):
         monkeypatch.setattr(CudaGraphRunner, "_capture_graphs", eager_graph_capture)
     cfg = dict(device=DEV.type, dtype="bfloat16", attention_backend="triton",
                cuda_graph_batch_sizes=(1, 2, 4))
-    if DEV.type != "cuda":
-        cfg["cuda_graph"] = False
+    if DEV.type != "cuda":  # decode graphs only: the interpreter would run the prefill graphs'
+        cfg.update(cuda_graph=False, cuda_graph_prefill_tokens=())
     driver = RunnerDriver(tiny_dirs["Qwen2ForCausalLM"], **cfg)
     if DEV.type != "cuda":
         driver.runner.graph_runner = CudaGraphRunner(driver.runner)
