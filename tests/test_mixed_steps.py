@@ -12,6 +12,7 @@ from rollout import Engine, EngineConfig, SamplingParams
 from rollout.scheduler import SchedulerStats
 from tests.helpers import hf_model
 from tests.test_generate import RAGGED
+from tests.test_overlap_schedule import _assert_same as assert_same_samples
 from tests.test_overlap_schedule import _mixed_params
 
 ARCH = "Qwen2ForCausalLM"
@@ -24,12 +25,8 @@ def _engine(tiny_dirs, mixed: bool, overlap: bool = False, **kw) -> Engine:
 
 
 def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x.prompt_index, x.sample_index) == (y.prompt_index, y.sample_index)
-        assert x.token_ids == y.token_ids
-        assert x.finish_reason == y.finish_reason
-        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    """Another attention kernel computes the running rows of a mixed step: fp32 rounding."""
+    assert_same_samples(a, b, atol=1e-5)
 
 
 def _assert_idle(engine):

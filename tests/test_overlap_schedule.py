@@ -31,13 +31,14 @@ def _mixed_params(stops: list[list[int]]) -> list[SamplingParams]:
                            stop_token_ids=stop) for i, stop in enumerate(stops)]
 
 
-def _assert_same(a, b):
+def _assert_same(a, b, atol: float = 1e-6):
+    """The same samples: tokens, finish reasons, top-logprob tokens; logprobs within atol."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert (x.prompt_index, x.sample_index) == (y.prompt_index, y.sample_index)
         assert x.token_ids == y.token_ids
         assert x.finish_reason == y.finish_reason
-        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-6, rtol=0)
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
         assert x.top_logprobs == y.top_logprobs or all(
             [t for t, _ in p] == [t for t, _ in q] for p, q in zip(x.top_logprobs, y.top_logprobs))
 
