@@ -172,6 +172,8 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
             s = split_for(bn, bk)
             if s > 1:
                 out.append(Config(bn, bk, s, 4, False))
+    elif SMALL_BATCH_SWEEP:  # 2-16 rows: the one-row kernel's tuned entry and its neighbours
+        out += small_batch_candidates(g, M, N, K, gated)
     elif M in SWEEP_ROWS:
         for bn in (16, 32, 64):
             for bk in (128, 256):
@@ -193,6 +195,37 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
             seen.add(c)
             unique.append(c)
     return unique
+
+
+SMALL_BATCH_SWEEP = False  # --small-batches: the candidates below at 2-16 rows
+
+
+def small_batch_candidates(g, M: int, N: int, K: int, gated: bool) -> list:
+    """Candidates at 2-16 rows (a rollout's small decode batches). Up to 4 rows the FMA kernel
+    with the one-row table entry's preloads (weights loaded before the PDL wait) and fewer rows
+    a program or more warps (its fp32 products are [M, rows, K chunk] registers, and x is read
+    once a program: the first sweep, small30, lost past 4 rows with it). At every M tensor-core
+    tiles (x padded to 16 rows) with their first K chunks loaded before the PDL wait or not,
+    split along K where the N blocks leave SMs idle."""
+    Config, out = g.Config, []
+    one = g._TUNED.get((1, N, K, gated))
+    if one is not None and not one.dot and M <= 4:
+        out.append(one)
+        if one.block_n > 1:
+            out.append(one._replace(block_n=one.block_n // 2))
+        if M == 2:
+            out.append(one._replace(num_warps=2 * one.num_warps))
+    rows = N // 2 if gated else N
+    for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 128)):
+        chunks, s = math.ceil(K / bk), 1
+        for c in range(2, g.MAX_SPLIT_K + 1):
+            if math.ceil(rows / bn) * s >= 2 * g.NUM_SMS_H200:
+                break
+            if chunks % c == 0 and chunks // c >= 4:
+                s = c
+        for preload in (0, 2):
+            out.append(Config(bn, bk, s, 4, True, dot_preload=preload))
+    return out
 
 
 def run_case(g, triton_ops, name: str, M: int, copy_bw: float, deadline: float) -> dict:
@@ -267,10 +300,15 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", type=int, default=ROWS)
     p.add_argument("--batch-rows", nargs="*", type=int, default=[32, 64, 128, 256],
                    help="decode batches (the M-tiled kernel), for every shape but the LM head")
+    p.add_argument("--small-batches", action="store_true",
+                   help="at 2-16 rows sweep the FMA kernel's preloading configs and dot tiles "
+                        "(small_batch_candidates)")
     p.add_argument("--configs-out", default=None,
                    help="JSON for gemv_launch.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
                         "per case, null where cuBLAS was faster")
     args = p.parse_args()
+    global SMALL_BATCH_SWEEP
+    SMALL_BATCH_SWEEP = args.small_batches
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
     result: dict = {"cases": [], "errors": []}

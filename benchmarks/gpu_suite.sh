@@ -662,6 +662,59 @@ for stage in "$@"; do
     mixedshare29) for v in off on; do flag=; [ $v = off ] && flag=--no-mixed-steps
               run mixedshare29_$v 150 python3 benchmarks/staggered_rollout.py --samples-per-prompt 8 $flag \
               --out "$OUT/mixedshare29_$v.json"; done ;;
+    # where a continuous-batching rollout's time goes, step by step (rollout_timeline.py): the
+    # staggered rollout, its GRPO-grouped form and a decode-heavy one (responses 256-1,024)
+    tl30) run tl30_stag 240 python3 benchmarks/rollout_timeline.py --out "$OUT/tl30_stag.json"
+              run tl30_grpo 240 python3 benchmarks/rollout_timeline.py --samples-per-prompt 8 --out "$OUT/tl30_grpo.json"
+              run tl30_long 300 python3 benchmarks/rollout_timeline.py --new-min 256 --new-max 1024 \
+              --out "$OUT/tl30_long.json" ;;
+    # small decode batches (2-16 rows): the engine before, the GEMV sweep at 2-16 rows (FMA
+    # preloads and dot tiles, small_batch_candidates), the engine with the sweep's table
+    small30) dec="python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 \
+              --batch-sizes 1 2 4 8 16 --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf"
+              run small30_before 150 $dec --out "$OUT/small30_before.json"
+              run small30_sweep 300 python3 benchmarks/gpu_gemv.py --small-batches --rows 2 4 8 16 --batch-rows \
+              --budget-s 220 --out "$OUT/small30_sweep.json" --configs-out "$OUT/small30_configs.json"
+              ROLLOUT_SKINNY_CONFIGS=$OUT/small30_configs.json run small30_after 150 $dec --out "$OUT/small30_after.json" ;;
+    # the same with the dot kernel's weight preload (dot_preload) in the sweep, without the LM
+    # head (cuBLAS reads it at the copy bandwidth); the engine without, with the whole table, and
+    # with its 2-4 row entries only
+    small30b) dec="python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda --dtype bfloat16 \
+              --batch-sizes 1 2 4 8 16 --prompt-len 128 --new-tokens 128 --repeats 2 --skip-hf"
+              run small30b_sweep 300 python3 benchmarks/gpu_gemv.py --small-batches --rows 2 4 8 16 --batch-rows \
+              --shapes qkv o gate_up down --budget-s 230 --out "$OUT/small30b_sweep.json" \
+              --configs-out "$OUT/small30b_configs.json"
+              python3 -c "import json,sys; e=json.load(open(sys.argv[1])); json.dump([x for x in e if x['M']<=4],open(sys.argv[2],'w'))" \
+              "$OUT/small30b_configs.json" "$OUT/small30b_configs_upto4.json"
+              run small30b_before 120 $dec --out "$OUT/small30b_before.json"
+              ROLLOUT_SKINNY_CONFIGS=$OUT/small30b_configs.json run small30b_all 120 $dec --out "$OUT/small30b_all.json"
+              ROLLOUT_SKINNY_CONFIGS=$OUT/small30b_configs_upto4.json run small30b_upto4 120 $dec --out "$OUT/small30b_upto4.json"
+              rm -f $OUT/*.log ;;
+    # the baked small-batch table against cuBLAS at 2-16 rows and two alternatives (engine_ab,
+    # benchmarks/ab_thirtieth_session.json), after the GEMV specs (GPU, and the CPU specs of the
+    # dot kernel's preload compiled)
+    ab30) run ab30_specs 200 python3 -m pytest -q tests/test_triton_gemv.py tests/test_triton_qkv_rope.py \
+              tests/test_split_sum.py -m gpu -p no:cacheprovider
+              run ab30_specs_cpu 120 python3 -m pytest -q tests/test_triton_gemv.py -k "dot_preload" -p no:cacheprovider
+              ab_stage ab30 benchmarks/ab_thirtieth_session.json 380 1 2 4 8 16
+              rm -f $OUT/*.log ;;
+    # the final small-batch table: the GEMV specs, the engine against cuBLAS at 2-16 rows
+    # (ab_thirtieth_session_b.json: "now" is the code), and continuous batching with at most 4
+    # requests running (a rollout's tail, an evaluation or agent loop with few requests at once)
+    final30) run final30_specs 150 python3 -m pytest -q tests/test_triton_gemv.py tests/test_triton_qkv_rope.py \
+              tests/test_split_sum.py -m gpu -p no:cacheprovider
+              python3 -c "import json; v=json.load(open('benchmarks/ab_thirtieth_session_b.json')); v['now']={}; \
+              json.dump(v, open('/tmp/ab30b.json','w')); json.dump(v['cublas']['configs'], open('/tmp/cublas30.json','w'))"
+              ROUNDS=1 ab_stage ab30b /tmp/ab30b.json 150 1 2 4 8 16
+              for v in now cublas; do env=; [ $v = cublas ] && env=ROLLOUT_SKINNY_CONFIGS=/tmp/cublas30.json
+              run final30_few_$v 120 env $env python3 benchmarks/staggered_rollout.py --requests 32 --max-running 4 \
+              --out "$OUT/final30_few_$v.json"
+              [ -n "${SIXTEEN:-}" ] && run final30_sixteen_$v 120 env $env python3 benchmarks/staggered_rollout.py \
+              --requests 128 --max-running 16 --out "$OUT/final30_sixteen_$v.json"; done
+              rm -f $OUT/*.log ;;
+    # batch 8: the sweep's kernels one at a time in the engine (ab_thirtieth_session_c.json)
+    ab30c) ROUNDS=${ROUNDS:-1} ab_stage ab30c benchmarks/ab_thirtieth_session_c.json 300 8 16
+              rm -f $OUT/*.log ;;
     startup29) run startup29 200 python3 benchmarks/startup_time.py --workers 16 --rounds 1 \
               --timeout-s 150 --out "$OUT/startup29.json" ;;
     grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"

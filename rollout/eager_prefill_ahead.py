@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
 
 # one token count in each row class of the skinny GEMMs' configs (gemv_launch) and one past them
-STAND_IN_TOKENS = (2, 12, 24, 48, 96, 192, 300)
+STAND_IN_TOKENS = (2, 4, 7, 12, 24, 48, 96, 192, 300)
 
 
 def stand_in_forwards(model_runner: "ModelRunner") -> list:

@@ -264,7 +264,7 @@ def test_eager_prefill_stand_ins_reach_every_row_class_and_leave_no_trace(tiny_d
     for (tokens, batch, lens, slots, shape), n in zip(seen, eager_prefill_ahead.STAND_IN_TOKENS):
         assert tokens == n and batch == min(n, 16) and sum(lens) == n and max(lens) - min(lens) <= 1
         assert sorted(slots) == list(range(1, n + 1)) and shape == (batch, vocab)
-    edges = [8, 16, 32, 64, 128, gemv_launch.BATCH_MAX_M]  # the configs' row classes
+    edges = [2, 4, 8, 16, 32, 64, 128, gemv_launch.BATCH_MAX_M]  # the configs' row classes
     for low, high in zip([1] + edges, edges + [None]):
         assert any(low < n and (high is None or n <= high) for n, *_ in seen), (low, high)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(1, 12))]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from rollout.layers import triton_gemv  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_gate_up_silu, skinny_linear  # noqa: E402
@@ -52,6 +52,11 @@ CONFIGS = {  # block_n, block_k, split_k, num_warps, dot
     # the loop after the preloaded chunks as Triton's software pipeline (cp.async when compiled)
     "fma_pipeline": Config(8, 16, preload=2, pipeline=3),
     "fma_split_pipeline": Config(8, 16, 2, pipeline=4),
+    # the dot kernel's first K chunks of the weight loaded before the PDL wait (small batches):
+    # one, all 3 of K 96 (K 48: clipped to what a split has; masked tail), split along K
+    "dot_preload1": Config(16, 32, dot=True, dot_preload=1),
+    "dot_preload3": Config(16, 32, dot=True, dot_preload=3),
+    "dot_split_preload2": Config(16, 16, 3, dot=True, dot_preload=2),
     # tiles loaded by TMA (zero-filled past the edges: ragged N, and K 48 against chunks of 32)
     "tma": Config(16, 32, dot=True, block_m=16, tma=True),
     "tma_small_tiles": Config(16, 16, dot=True, num_stages=4, block_m=16, tma=True),
@@ -148,6 +153,8 @@ def test_bad_inputs_are_refused():
     for preload in (0, 4):
         with pytest.raises(ValueError, match="preload"):
             skinny_linear(rand(1, 48), w, config=Config(8, 16, preload=preload))
+    with pytest.raises(ValueError, match="dot_preload"):
+        skinny_linear(rand(2, 48), w, config=Config(16, 16, dot=True, dot_preload=4))
     assert not triton_gemv.supports(rand(2, 48).cpu(), w.cpu())  # CUDA only
 
 
@@ -165,7 +172,10 @@ def test_gpu_bf16_qwen2_shapes(name):
     b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
     for m in GPU_ROWS:
         x = rand(m, k, dtype=torch.bfloat16, seed=m)
-        assert triton_gemv.supports(x, w)
+        # an entry saying cuBLAS (None) keeps those rows off the kernels; skinny_linear itself
+        # runs any row count (the heuristic config where the table has none)
+        entry = triton_gemv._TUNED.get((triton.next_power_of_2(m), n, k, False), "none")
+        assert triton_gemv.supports(x, w) == (entry is not None), m
         out = skinny_linear(x, w, b)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         assert rel_err(out, F.linear(x, w, b)) <= 1e-2, m
@@ -275,6 +285,46 @@ def test_gpu_cuda_graph_replay():
         torch.cuda.synchronize()
         assert torch.equal(out, skinny_linear(x, w))  # deterministic (split-K sums in order)
         assert torch.equal(out_g, skinny_gate_up_silu(xg, wg, 8960))
+
+
+@gpu
+def test_gpu_small_batches_take_the_kernels_only_where_tuned():
+    """The engine's policy (`linear.use_skinny`): one row always (the heuristic config for
+    shapes the table does not list), 2-16 rows only where the table names a kernel."""
+    from rollout.layers.linear import use_skinny
+    qkv = rand(2048, 1536, dtype=torch.bfloat16)
+    other = rand(1000, 1536, dtype=torch.bfloat16)  # no entry at any row count
+    row = lambda m: rand(m, 1536, dtype=torch.bfloat16)  # noqa: E731
+    assert use_skinny(row(1), qkv) and use_skinny(row(1), other)
+    assert use_skinny(row(2), qkv) and use_skinny(row(3), qkv) and use_skinny(row(16), qkv)
+    assert not use_skinny(row(8), qkv)  # the table says cuBLAS at 5-8 rows
+    assert not use_skinny(row(2), other) and not use_skinny(row(16), other)
+
+
+@gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_small_batch_entries(gated):
+    """The table's 2-16 row entries (small decode batches) on the Qwen2-1.5B shapes: within bf16
+    rounding of cuBLAS, and the dot kernel's weight preload (`dot_preload`) moves loads, not
+    sums: the same bits without it."""
+    shapes = {(2 * 8960, 1536)} if gated else {(n, k) for n, k, _ in QWEN2_1_5B.values()}
+    tried = 0
+    for (m, n, k, g), cfg in triton_gemv._TUNED.items():
+        if not (2 <= m <= 16 and g == gated and (n, k) in shapes and cfg is not None):
+            continue
+        w = rand(n, k, dtype=torch.bfloat16, seed=n) * k ** -0.5
+        for rows in (m // 2 + 1, m):
+            x = rand(rows, k, dtype=torch.bfloat16, seed=rows)
+            if gated:
+                out, ref = skinny_gate_up_silu(x, w, n // 2, cfg), ref_gate_up_silu(x, w, n // 2)
+                plain = skinny_gate_up_silu(x, w, n // 2, cfg._replace(dot_preload=0))
+            else:
+                out, ref = skinny_linear(x, w, config=cfg), F.linear(x, w)
+                plain = skinny_linear(x, w, config=cfg._replace(dot_preload=0))
+            assert rel_err(out, ref) <= 1e-2, (m, n, rows)
+            assert torch.equal(out, plain), (m, n, rows)
+            tried += 1
+    assert tried >= 2
 
 
 @gpu

@@ -35,6 +35,8 @@ class Config(NamedTuple):
     # the PDL wait (0: none)
     pipeline: int = 0  # FMA kernel: > 1, its loop after the preloaded chunks as Triton's
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
+    dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
+    # wait (0 to 3)
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's
@@ -127,6 +129,42 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
                                      prefetch_k=512),  # L2 prefetch: see gate/up's entry
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
+    # Small decode batches, 2-16 rows (a rollout's tail; thirtieth session). Until then every
+    # GEMM at 2-16 rows ran on cuBLAS, outside the PDL chain, and a batch-2 decode step cost
+    # 1.56 ms against batch 1's 1.00. Swept alone (`gpu_suite.sh small30b`: gpu_gemv.py
+    # --small-batches, µs a call, cuBLAS in brackets), then kept where the engine's decode graph
+    # gained (`ab30`, benchmarks/ab_thirtieth_session.json; docs/BENCHMARKS.md). 2 rows: the
+    # one-row FMA kernels with their preloads for qkv (3.71 [5.20], with the fused rotary + KV
+    # store) and o (2.68 [6.37]), gate/up one row a program (17.05 [19.05]). 4 rows: qkv and o
+    # the same (5.08 [5.53], 3.00 [6.56]), gate/up on tensor-core tiles (18.30 [19.16]). Down at
+    # 2 and 4 rows on tiles split in 14 with two K chunks loaded before the PDL wait
+    # (`dot_preload`): 11.00 [10.92] alone, but in the PDL chain the batch-2 graph 1.2993 ->
+    # 1.2469 ms, batch 4 1.4107 -> 1.3662. (qkv at 4 rows on the sweep's tiles, 4.90 alone and
+    # without the fused rotary: 1.3910 with down on cuBLAS, 1.4080 with down on tiles.) 8 rows:
+    # gate/up on tiles (17.50 [19.38]; graph 1.5273 -> 1.4586 ms, twice), the rest on cuBLAS:
+    # the sweep's qkv / o and down tiles each gained 1.6% alone, all four together lost 1%
+    # (ab_thirtieth_session_c.json). 16 rows: tiles, qkv and o with dot_preload (4.76 [5.53], 4.30 [5.23]), gate/up 15.59 [19.58], down split in 7
+    # 10.56 [11.16]. The LM head stays on cuBLAS (at the copy bandwidth) at 2-16 rows.
+    (2, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    (2, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
+    (2, 17920, 1536, True): Config(1, 512, 1, 2, False, 3, preload=2, lookahead=True),
+    (2, 1536, 8960, False): Config(64, 128, 14, 4, True, dot_preload=2),
+    (2, 151936, 1536, False): None,
+    (4, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    (4, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
+    (4, 17920, 1536, True): Config(32, 256, 1, 4, True),
+    (4, 1536, 8960, False): Config(64, 128, 14, 4, True, dot_preload=2),
+    (4, 151936, 1536, False): None,
+    (8, 2048, 1536, False): None,
+    (8, 1536, 1536, False): None,
+    (8, 17920, 1536, True): Config(32, 128, 1, 4, True),
+    (8, 1536, 8960, False): None,
+    (8, 151936, 1536, False): None,
+    (16, 2048, 1536, False): Config(32, 256, 1, 4, True, dot_preload=2),
+    (16, 1536, 1536, False): Config(32, 256, 1, 4, True, dot_preload=2),
+    (16, 17920, 1536, True): Config(32, 128, 1, 4, True),
+    (16, 1536, 8960, False): Config(32, 256, 7, 4, True),
+    (16, 151936, 1536, False): None,
 }
 
 

@@ -20,27 +20,29 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # CUDA: single-row GEMMs (decode at batch 1) in 16-bit dtypes go to the Triton skinny-GEMM
 # kernels (`triton_gemv`): they are bound by reading the weight, and cuBLAS's GEMVs for these
 # shapes leave a quarter to half of the bandwidth unused. Measured in the engine on an H200
-# (docs/BENCHMARKS.md): batch 1 +9-18%; at 4 and 16 rows no gain in the engine (-7% to +1%
-# over three runs) although some kernels are faster alone, so 2-16 rows stay on cuBLAS. Decode
-# batches from BATCH_MIN_ROWS go to the M-tiled kernel only at the (shape, rows) its tuned table
-# lists as faster than cuBLAS. ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
+# (docs/BENCHMARKS.md): batch 1 +9-18%. Small batches (2-16 rows: a rollout's tail, few
+# requests left) and decode batches from BATCH_MIN_ROWS go to the kernels only at the (shape,
+# rows) their tuned table lists as faster than cuBLAS (an early session found no gain at 4 and
+# 16 rows with the untuned heuristic). ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 # A skinny GEMM split along K may hand its fp32 partials to a reader that sums them itself (the
 # residual add + RMSNorm after down and o, the rotary kernel after qkv: `defer_split`), saving
 # the reduce kernel.
 # ROLLOUT_DEFER_SPLIT_K=0: always reduce in the GEMM.
 DEFER_SPLIT_K = os.environ.get("ROLLOUT_DEFER_SPLIT_K", "1") != "0"
-SKINNY_MAX_ROWS = 1
-BATCH_MIN_ROWS = 17  # decode batches from here, where tuned (2-16 rows: no gain in the engine)
+SKINNY_MAX_ROWS = 1  # rows the kernels serve without a tuned entry (the heuristic config)
+BATCH_MIN_ROWS = 17  # decode batches from here (the M-tiled kernels), where tuned
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """One-row GEMMs, and decode batches where the tuned table says the kernel (for `gated`, the
+    """One-row GEMMs, and more rows where the tuned table says the kernel (for `gated`, the
     fused gate/up + SiLU one) beats cuBLAS (+ the SiLU kernel) (`triton_gemv.supports`)."""
-    if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and (x.shape[0] <= SKINNY_MAX_ROWS or x.shape[0] >= BATCH_MIN_ROWS)):
+    if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
+    rows = x.shape[0]
+    if SKINNY_MAX_ROWS < rows < BATCH_MIN_ROWS and not triton_gemv.is_tuned(x, weight, gated):
+        return False
     return triton_gemv.supports(x, weight, gated)
 
 

@@ -24,6 +24,8 @@ Two main kernels, picked by the launch config (`Config.dot`):
     bytes in flight).
   * dot (`_gemv_dot_kernel`): x padded to 16 rows, tensor-core tl.dot per K chunk; also decode
     batches up to BATCH_MAX_M rows, tiled along M (`Config.block_m`), M blocks innermost.
+    `Config.dot_preload` loads its first K chunks of the weight before the PDL wait, as the FMA
+    kernel's preload (small decode batches, where it runs inside the PDL chain).
 Optional split-K (more programs for small N with large K) writes fp32 partials [SPLIT_K, M, N]
 and a second kernel sums them in a fixed order: deterministic, no atomics. With `defer_split`
 the partials (and the bias) go back to the caller as a SplitSum instead, for the next kernel to
@@ -221,15 +223,30 @@ def _gemv_fma_kernel(
               SPLIT, COMPILED)
 
 
+@triton.jit
+def _dot_tile(ptr, offs_k, k, K, EVEN_K: tl.constexpr):
+    """A [rows, BLOCK_K] tile of the dot kernel at K offset k (zeros past K)."""
+    if EVEN_K:
+        return tl.load(ptr + k)
+    return tl.load(ptr + k, mask=(offs_k + k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_step(acc, acc_up, x, w, w_up, GATED: tl.constexpr, PREC: tl.constexpr):
+    acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    if GATED:
+        acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(
     X, W, W_UP, Bias, Y, P, M, N, K, K_SPLIT, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, COMPILED: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PRELOAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     # M blocks innermost: the programs that read one weight block run side by side, so the
     # block comes from HBM once and from L2 for the others (batch-128 decode graph -4%)
     blocks_m = tl.cdiv(M, BLOCK_M)
@@ -243,23 +260,34 @@ def _gemv_dot_kernel(
     x_ptr = X + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     w_ptr = W + rows_n[:, None] * K + offs_k[None, :]  # [BN, BK]
     wu_ptr = W_UP + rows_n[:, None] * K + offs_k[None, :]
+    # the first PRELOAD K chunks of the weight (no earlier kernel's output) stream in before
+    # the PDL wait, as the FMA kernel's preload (small decode batches)
+    if PRELOAD >= 1:
+        w0 = _dot_tile(w_ptr, offs_k, 0, K, EVEN_K)
+        wu0 = _dot_tile(wu_ptr, offs_k, 0, K, EVEN_K) if GATED else w0
+    if PRELOAD >= 2:
+        w1 = _dot_tile(w_ptr, offs_k, BLOCK_K, K, EVEN_K)
+        wu1 = _dot_tile(wu_ptr, offs_k, BLOCK_K, K, EVEN_K) if GATED else w1
+    if PRELOAD >= 3:
+        w2 = _dot_tile(w_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K)
+        wu2 = _dot_tile(wu_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K) if GATED else w2
+    pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k)
-            w = tl.load(w_ptr + k)
-            if GATED:
-                w_up = tl.load(wu_ptr + k)
-        else:
-            k_ok = (offs_k + k < K)[None, :]
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptr + k, mask=k_ok, other=0.0)
-            if GATED:
-                w_up = tl.load(wu_ptr + k, mask=k_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-        if GATED:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
+    if PRELOAD >= 1:
+        acc, acc_up = _dot_step(acc, acc_up, _dot_tile(x_ptr, offs_k, 0, K, EVEN_K), w0, wu0,
+                                GATED, PREC)
+    if PRELOAD >= 2:
+        acc, acc_up = _dot_step(acc, acc_up, _dot_tile(x_ptr, offs_k, BLOCK_K, K, EVEN_K), w1,
+                                wu1, GATED, PREC)
+    if PRELOAD >= 3:
+        acc, acc_up = _dot_step(acc, acc_up, _dot_tile(x_ptr, offs_k, 2 * BLOCK_K, K, EVEN_K),
+                                w2, wu2, GATED, PREC)
+    for k in range(PRELOAD * BLOCK_K, K_SPLIT, BLOCK_K):
+        w = _dot_tile(w_ptr, offs_k, k, K, EVEN_K)
+        w_up = _dot_tile(wu_ptr, offs_k, k, K, EVEN_K) if GATED else w
+        acc, acc_up = _dot_step(acc, acc_up, _dot_tile(x_ptr, offs_k, k, K, EVEN_K), w, w_up,
+                                GATED, PREC)
     _epilogue(acc, acc_up, Bias, Y, P, offs_m, offs_n, M, N, stride_ym, pid_k,
               HAS_BIAS, GATED, SPLIT, COMPILED)
 
@@ -315,6 +343,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     return not cfg.tma or _tma_can_read(x, weight)
 
 
+def is_tuned(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """The tuned table has a kernel config (not cuBLAS) for this GEMM's rows and shape."""
+    key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
+    return _TUNED.get(key) is not None
+
+
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The GPU has TMA (compute capability 9.0 and up: the table's TMA entries were measured on
     an H200 and an older GPU takes cuBLAS instead) and the rows start at multiples of 16 bytes."""
@@ -355,13 +389,17 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     w_up = weight[N:] if gated else weight  # the up half's rows
     args = (x, weight, w_up, bias_arg, out, partials, M, N, K, k_split, x.stride(0),
             out.stride(0))
+    dot_preload = min(cfg.dot_preload, k_split // cfg.block_k) if cfg.dot else 0
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
                 EVEN_K=k_split * split == K, HAS_BIAS=has_bias, GATED=gated, COMPILED=_COMPILED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                **launch_options(preloads_weights=not cfg.dot))
+                **launch_options(preloads_weights=not cfg.dot or dot_preload > 0))
     if cfg.dot:
+        if not 0 <= cfg.dot_preload <= 3:
+            raise ValueError(f"dot_preload={cfg.dot_preload}: the dot kernel loads 0 to 3 K "
+                             "chunks early")
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, **meta,
+        _gemv_dot_kernel[grid](*args, BLOCK_M=cfg.block_m, PRELOAD=dot_preload, **meta,
                                PREC="ieee" if x.dtype == torch.float32 else "tf32")
     else:
         if M > FMA_MAX_M:
@@ -437,4 +475,5 @@ def skinny_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: in
     return _launch(x, weight_gate_up, None, out, True, config)
 
 
-__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "Config", "MAX_M", "BATCH_MAX_M"]
+__all__ = ["skinny_linear", "skinny_gate_up_silu", "supports", "is_tuned", "Config", "MAX_M",
+           "BATCH_MAX_M"]
