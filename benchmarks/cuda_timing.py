@@ -1,6 +1,9 @@
 """Timing of captured CUDA graphs and of whole `generate` calls, shared by the GPU benchmarks."""
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -28,3 +31,16 @@ def generate_seconds(engine, prompts, params) -> float:
     engine.generate(prompts, params)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def generate_host_profile(engine, prompts, params, top: int) -> str:
+    """cProfile's table (by own time, `top` rows) of one `engine.generate(prompts, params)`, the
+    GPU done at its end: where the host's time goes (cProfile slows it ~2x)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()

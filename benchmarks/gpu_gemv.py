@@ -112,6 +112,18 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def even_split(g, rows: int, K: int, block_n: int, block_k: int, min_chunks: int) -> int:
+    """Programs along K, as the heuristic's: the largest even split (at least `min_chunks` K
+    chunks each) before the N blocks times the split fill the SMs twice."""
+    chunks, s = math.ceil(K / block_k), 1
+    for c in range(2, g.MAX_SPLIT_K + 1):
+        if math.ceil(rows / block_n) * s >= 2 * g.NUM_SMS_H200:
+            break
+        if chunks % c == 0 and chunks // c >= min_chunks:
+            s = c
+    return s
+
+
 def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
     """Configs to try for one case, the default first."""
     Config = g.Config
@@ -119,14 +131,8 @@ def candidates(g, M: int, N: int, K: int, gated: bool) -> list:
     out = [default]
     rows = N // 2 if gated else N
 
-    def split_for(block_n, block_k):  # an even split filling the SMs, as the heuristic's
-        chunks, s = math.ceil(K / block_k), 1
-        for c in range(2, g.MAX_SPLIT_K + 1):
-            if math.ceil(rows / block_n) * s >= 2 * g.NUM_SMS_H200:
-                break
-            if chunks % c == 0 and chunks // c >= 2:
-                s = c
-        return s
+    def split_for(block_n, block_k):
+        return even_split(g, rows, K, block_n, block_k, min_chunks=2)
 
     if M > g.MAX_M and not gated:  # decode batches: M tiles, split-K where N alone leaves SMs idle
         for bm in (32, 64, 128):
@@ -217,12 +223,7 @@ def small_batch_candidates(g, M: int, N: int, K: int, gated: bool) -> list:
             out.append(one._replace(num_warps=2 * one.num_warps))
     rows = N // 2 if gated else N
     for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 128)):
-        chunks, s = math.ceil(K / bk), 1
-        for c in range(2, g.MAX_SPLIT_K + 1):
-            if math.ceil(rows / bn) * s >= 2 * g.NUM_SMS_H200:
-                break
-            if chunks % c == 0 and chunks // c >= 4:
-                s = c
+        s = even_split(g, rows, K, bn, bk, min_chunks=4)
         for preload in (0, 2):
             out.append(Config(bn, bk, s, 4, True, dot_preload=preload))
     return out

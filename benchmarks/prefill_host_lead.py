@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cuda_timing import generate_seconds
+from benchmarks.cuda_timing import generate_host_profile, generate_seconds
 from benchmarks.decode_throughput import gpu_engine, prompts_for
 from rollout import SamplingParams
 
@@ -70,18 +70,8 @@ def main() -> None:
               f"{c['host_before_first_ms']:.2f} ms, GPU first..last forward "
               f"{c['gpu_first_to_last_ms']:.2f} ms | {fw}")
     print(f"median wall {statistics.median(c['wall_ms'] for c in calls):.2f} ms")
-    if args.cprofile:  # where the host's time goes in the forwards (cProfile slows it ~2x)
-        import cProfile
-        import io
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        engine.generate(prompts, sp)
-        torch.cuda.synchronize()
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.cprofile)
-        print(buf.getvalue())
+    if args.cprofile:  # where the host's time goes in the forwards
+        print(generate_host_profile(engine, prompts, sp, args.cprofile))
     Path(args.out).write_text(json.dumps({"batch": args.batch, "prompt_len": args.prompt_len,
                                           "calls": calls}, indent=1))
 

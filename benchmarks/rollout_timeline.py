@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import tempfile
 import time
@@ -28,9 +25,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.cuda_timing import generate_seconds
+from benchmarks.cuda_timing import generate_host_profile, generate_seconds
 from benchmarks.decode_throughput import gpu_engine_config, model_dir_for
-from benchmarks.staggered_rollout import workload
+from benchmarks.staggered_rollout import workload, workload_options
 from benchmarks.step_timeline import busy_and_gaps, by_name, gpu_events
 from rollout import Engine
 from rollout import launched_step
@@ -152,29 +149,9 @@ def gpu_profile(engine: Engine, prompts, params) -> dict:
             "kernels_ms": by_name(evs, t0, t1 + 1, top=30)}
 
 
-def host_profile(engine: Engine, prompts, params, top: int = 35) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen2-1.5b")
-    p.add_argument("--requests", type=int, default=512)
-    p.add_argument("--max-running", type=int, default=128)
-    p.add_argument("--prompt-min", type=int, default=64)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--new-min", type=int, default=16)
-    p.add_argument("--new-max", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--samples-per-prompt", type=int, default=1)
-    p.add_argument("--no-mixed-steps", action="store_true")
+    workload_options(p)
     p.add_argument("--skip-profiles", action="store_true", help="the step clock only")
     p.add_argument("--out", default="rollout_timeline.json")
     args = p.parse_args()
@@ -195,7 +172,7 @@ def main() -> None:
     if not args.skip_profiles:
         result["gpu_profile"] = gpu_profile(engine, prompts, params)
         print(json.dumps(result["gpu_profile"], indent=1), flush=True)
-        result["host_profile"] = host_profile(engine, prompts, params)
+        result["host_profile"] = generate_host_profile(engine, prompts, params, top=35)
         print(result["host_profile"], flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

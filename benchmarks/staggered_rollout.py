@@ -51,8 +51,8 @@ def counters(engine) -> dict:
             "decode_replays": gr.num_replays if gr is not None else 0}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_options(p: argparse.ArgumentParser) -> None:
+    """The model shape, the engine's running requests and the workload `workload` draws."""
     p.add_argument("--shape", default="qwen2-1.5b")
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--max-running", type=int, default=128)
@@ -60,16 +60,21 @@ def main() -> None:
     p.add_argument("--prompt-max", type=int, default=512)
     p.add_argument("--new-min", type=int, default=16)
     p.add_argument("--new-max", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="each prompt N times in a row, as a GRPO group (prompt KV shared)")
+    p.add_argument("--no-mixed-steps", action="store_true",
+                   help="the running requests wait for each admission's step (EngineConfig.mixed_steps)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_options(p)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
                    help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
                         "one-request prefill graphs only)")
     p.add_argument("--no-prefill-graphs", action="store_true", help="every prefill eager")
-    p.add_argument("--no-mixed-steps", action="store_true",
-                   help="the running requests wait for each admission's step (EngineConfig.mixed_steps)")
     p.add_argument("--out", default="staggered.json")
     args = p.parse_args()
     overrides = {}
