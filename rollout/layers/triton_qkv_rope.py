@@ -9,8 +9,9 @@ of one head, adds the bias and rounds as the plain GEMM does, rotates q and k he
 rotary kernel does (every product rounded, no FMA contraction), and writes q, k and v into the
 qkv output and the step's keys and values into the KV cache. Two kernels, one per kind of the
 plain GEMM's launch config:
-  * one row: the FMA GEMV's K loop (`triton_gemv.fma_row_sums`), its pointer block being the
-    2·P rows above, as many as the plain GEMV's program has, laid out alike (the same sums);
+  * one row, and the small batches (2-4 rows) the table gives the FMA GEMV: its K loop
+    (`triton_gemv.fma_row_sums`), its pointer block being the 2·P rows above, as many as the
+    plain GEMV's program has, laid out alike (the same sums);
   * decode batches: the TMA-fed tensor-core tiles (`triton_gemm_tma.tma_sums` with two weight
     tiles of P rows, as its fused gate/up takes gate and up), where the table's config is
     unsplit (64-128 rows: in the engine, fifteenth session, decode graph batch 64 1.5743 ->
@@ -19,7 +20,8 @@ plain GEMM's launch config:
 
 Bit for bit the plain GEMM followed by `triton_ops.apply_rotary_inplace(..., kv=...)` (the
 specs check it). Used where `fused_config` says (and the pool takes a fused KV store);
-ROLLOUT_FUSED_QKV_ROPE=0 turns it off, =one_row keeps the one-row kernel only."""
+ROLLOUT_FUSED_QKV_ROPE=0 turns it off, =one_row keeps the FMA form only (one row, small
+batches)."""
 from __future__ import annotations
 
 import os
@@ -34,8 +36,8 @@ from rollout.layers import triton_gemm_tma, triton_gemv
 from rollout.layers.triton_ops import KVStore, _round
 from rollout.triton_pdl import launch_options, pdl_wait
 
-# "1": both kernels; "one_row": the one-row kernel only (decode batches: the GEMM + the rotary
-# kernel); "0": neither
+# "1": both kernels; "one_row": the FMA form only (one row and small batches; decode batches:
+# the GEMM + the rotary kernel); "0": neither
 FUSED_QKV_ROPE = os.environ.get("ROLLOUT_FUSED_QKV_ROPE", "1")
 if FUSED_QKV_ROPE not in ("1", "one_row", "0"):
     raise ValueError(f"ROLLOUT_FUSED_QKV_ROPE={FUSED_QKV_ROPE!r}: 1, one_row or 0")
