@@ -143,8 +143,9 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # without the fused rotary: 1.3910 with down on cuBLAS, 1.4080 with down on tiles.) 8 rows:
     # gate/up on tiles (17.50 [19.38]; graph 1.5273 -> 1.4586 ms, twice), the rest on cuBLAS:
     # the sweep's qkv / o and down tiles each gained 1.6% alone, all four together lost 1%
-    # (ab_thirtieth_session_c.json). 16 rows: tiles, qkv and o with dot_preload (4.76 [5.53], 4.30 [5.23]), gate/up 15.59 [19.58], down split in 7
-    # 10.56 [11.16]. The LM head stays on cuBLAS (at the copy bandwidth) at 2-16 rows.
+    # (ab_thirtieth_session_c.json). 16 rows: tiles, qkv and o with dot_preload (4.76 [5.53],
+    # 4.30 [5.23]), gate/up 15.59 [19.58], down split in 7 10.56 [11.16]. The LM head stays on
+    # cuBLAS (at the copy bandwidth) at 2-16 rows.
     (2, 2048, 1536, False): Config(2, 512, 1, 4, False, 3, preload=3),
     (2, 1536, 1536, False): Config(2, 512, 1, 2, False, 3, preload=3),
     (2, 17920, 1536, True): Config(1, 512, 1, 2, False, 3, preload=2, lookahead=True),

@@ -37,7 +37,8 @@ BATCH_MIN_ROWS = 17  # decode batches from here (the M-tiled kernels), where tun
 def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """One-row GEMMs, and more rows where the tuned table says the kernel (for `gated`, the
     fused gate/up + SiLU one) beats cuBLAS (+ the SiLU kernel) (`triton_gemv.supports`)."""
-    if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (SKINNY_GEMM and x.is_cuda and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
     rows = x.shape[0]
