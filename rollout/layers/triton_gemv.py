@@ -336,7 +336,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
           and x.stride(1) == 1 and weight.is_contiguous())
     if not ok:
         return False
-    key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
+    key = _table_key(x, weight, gated)
     cfg = _TUNED.get(key)
     if cfg is None:  # an entry saying cuBLAS; or none: the heuristic (never TMA) up to MAX_M rows
         return key not in _TUNED and x.shape[0] <= MAX_M
@@ -345,8 +345,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
 
 def is_tuned(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """The tuned table has a kernel config (not cuBLAS) for this GEMM's rows and shape."""
-    key = (triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated)
-    return _TUNED.get(key) is not None
+    return _TUNED.get(_table_key(x, weight, gated)) is not None
+
+
+def _table_key(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int, bool]:
+    """The GEMM's key in `_TUNED`: rows rounded up to a power of two, weight rows, K, gated."""
+    return triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], gated
 
 
 def _tma_can_read(x: torch.Tensor, weight: torch.Tensor) -> bool:
