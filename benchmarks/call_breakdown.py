@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.cuda_timing import generate_seconds, replay_seconds
+from benchmarks.cuda_timing import full_batch_graph, generate_seconds, replay_seconds
 from benchmarks.decode_throughput import gpu_engine_config, model_dir_for, prompts_for
 from rollout import Engine, SamplingParams
 
@@ -38,8 +38,7 @@ def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: 
     med = {n: statistics.median(v) for n, v in ms.items()}
     longest = max(lengths)
     step = (med[longest] - med[2]) / (longest - 2)
-    gr = engine.runner.graph_runner
-    replay = replay_seconds(gr.graphs[gr.last_key], 100) * 1e3  # the calls' last step's graph
+    replay = replay_seconds(full_batch_graph(engine, batch, prompt_len + longest), 100) * 1e3
     return {"calls_ms": {str(n): [round(v, 3) for v in ms[n]] for n in lengths},
             "median_ms": {str(n): round(v, 3) for n, v in med.items()},
             "fixed_ms": round(med[1], 3), "step_ms": round(step, 4),

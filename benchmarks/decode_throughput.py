@@ -264,11 +264,11 @@ def run(args) -> dict:
         engine_call = engine_runner(engine, bs, args)
         if hf is not None:
             row = {"batch": bs, **compare(engine_call, hf_runner(hf, bs, args), args.repeats,
-                                          after_engine=lambda: graph_replay_ms(engine))}
+                                          after_engine=lambda: graph_replay_ms(engine, bs, args))}
             row["graph_replay_ms"] = row.pop("after_engine")
         else:
             row = {"batch": bs, "engine": timed(engine_call, args.repeats)}
-            row["graph_replay_ms"] = graph_replay_ms(engine)
+            row["graph_replay_ms"] = graph_replay_ms(engine, bs, args)
         row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
         if gemm is not None:  # CPU: the compute floor at each library's measured GEMM peak
             row["gemm_floor_tok_per_s"] = {k: cpu_floor_tok_per_s(engine, bs, args, v)
@@ -285,16 +285,15 @@ def run(args) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
 
 
-def graph_replay_ms(engine: Engine) -> float | None:
-    """The decode step's GPU time alone: the graph of the last call's last step (its batch
-    size, its longest context's class), 50 replays. Timed right after an engine call: after an
-    HF call (torch's eager kernels on the same stream) a replay's launch took 10x the host time
-    and the batch-1 replay 2% longer until the engine ran again (benchmarks/process_shape.py)."""
-    gr = engine.runner.graph_runner
-    if gr is None or gr.last_key is None:
-        return None
-    from benchmarks.cuda_timing import replay_seconds
-    return replay_seconds(gr.graphs[gr.last_key], 50) * 1e3
+def graph_replay_ms(engine: Engine, batch: int, args) -> float | None:
+    """The decode step's GPU time alone: the graph of a full step of the batch at its last
+    step's longest context (`cuda_timing.full_batch_graph`), 50 replays. Timed right after an
+    engine call: after an HF call (torch's eager kernels on the same stream) a replay's launch
+    took 10x the host time and the batch-1 replay 2% longer until the engine ran again
+    (benchmarks/process_shape.py)."""
+    from benchmarks.cuda_timing import full_batch_graph, replay_seconds
+    graph = full_batch_graph(engine, batch, args.prompt_len + args.new_tokens)
+    return None if graph is None else replay_seconds(graph, 50) * 1e3
 
 
 def _load_hf(model_dir: Path, args):

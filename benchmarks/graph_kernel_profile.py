@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.cuda_timing import replay_seconds
+from benchmarks.cuda_timing import full_batch_graph, replay_seconds
 from benchmarks.decode_throughput import SHAPES, gpu_engine, prompts_for
 from rollout import SamplingParams
 
@@ -55,12 +55,11 @@ def main() -> None:
     args = p.parse_args()
     spec = SHAPES[args.shape]
     engine = gpu_engine(args.shape, max(args.batch_sizes))
-    gr = engine.runner.graph_runner
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "batches": {}}
     for bs in args.batch_sizes:
         sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
         engine.generate(prompts_for(bs, args.prompt_len, spec.vocab_size), sp)  # contexts ~192
-        graph = gr.graphs[gr.last_key]  # the generate's last step's
+        graph = full_batch_graph(engine, bs, args.prompt_len + args.new_tokens)
         replay_ms = replay_seconds(graph, 50) * 1e3
         rows = kernel_table(graph, args.replays)
         total = sum(r["us_per_replay"] for r in rows)

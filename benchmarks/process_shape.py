@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cuda_timing import replay_seconds
+from benchmarks.cuda_timing import full_batch_graph, replay_seconds
 from rollout import SamplingParams
 from benchmarks.decode_throughput import (_load_hf, engine_runner, gpu_engine, hf_runner,
                                           model_dir_for)
@@ -103,8 +103,7 @@ def main() -> None:
     engine = gpu_engine("qwen2-1.5b", args.max_running)
     engine_call = engine_runner(engine, 1, run_args)
     timed_call(engine_call, "engine call, engine alone", log)
-    gr = engine.runner.graph_runner
-    graph = gr.graphs[gr.last_key]
+    graph = full_batch_graph(engine, 1, 256)
     timings(graph, "engine alone", 2, log)
     log.append({"state": "launch host us, fast", "us": round(launch_host_us(graph), 1)})
     kernel_times(graph, "kernels, fast", log)
