@@ -224,9 +224,7 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     `unit_temperature`: the caller knows every row's T is 1 (the batch's host-side flag), so
     the kernels skip the division (the same values)."""
     rows, vocab = logits.shape
-    launch = launch or launch_for(rows)
     chunks = triton.cdiv(vocab, CHUNK)
-    block_c = triton.next_power_of_2(chunks)
     dev = logits.device
     cmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     csum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
@@ -234,18 +232,34 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     packed = torch.empty(2, rows, dtype=torch.float64,
                          **({"pin_memory": True} if pack_on_host and dev.type == "cuda" else {"device": dev}))
+    launch_into(logits, temperatures, greedy, uniforms, (cmax, csum), tokens, logprobs, packed,
+                launch, unit_temperature)
+    return tokens, logprobs, packed
+
+
+def launch_into(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
+                uniforms: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor],
+                tokens: torch.Tensor, logprobs: torch.Tensor, packed: torch.Tensor,
+                launch: SamplerLaunch | None = None, unit_temperature: bool = False) -> None:
+    """The two kernels of `sample_unfiltered` writing into the caller's buffers: stats, two
+    [B, cdiv(V, CHUNK)] float32 scratch tensors; tokens [B] int64, logprobs [B] float32,
+    packed [2, B] float64 (device or pinned host memory). What a CUDA graph that samples
+    captures: its buffers stay where they are from replay to replay."""
+    rows, vocab = logits.shape
+    launch = launch or launch_for(rows)
+    cmax, csum = stats
+    chunks = cmax.shape[1]
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
         logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
         UNIT_T=unit_temperature, COMPILED=_COMPILED, num_warps=launch.stats_warps,
         **launch_options())
     _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, csum, tokens,
-                   logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK, BLOCK_C=block_c,
-                   UNIT_T=unit_temperature, COMPILED=_COMPILED, num_warps=launch.pick_warps,
-                   **launch_options())
-    return tokens, logprobs, packed
+                   logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK,
+                   BLOCK_C=triton.next_power_of_2(chunks), UNIT_T=unit_temperature,
+                   COMPILED=_COMPILED, num_warps=launch.pick_warps, **launch_options())
 
 
 _COMPILED = _is_compiled(_pick)  # False under TRITON_INTERPRET=1
 
-__all__ = ["sample_unfiltered", "CHUNK", "SamplerLaunch"]
+__all__ = ["sample_unfiltered", "launch_into", "CHUNK", "SamplerLaunch"]
