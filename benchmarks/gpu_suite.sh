@@ -720,6 +720,23 @@ for stage in "$@"; do
     grpo29) for v in one all; do flag=; [ $v = one ] && flag="--prefill-graph-requests 1"
               run grpo29_$v 200 python3 benchmarks/call_breakdown.py --batch-sizes 32 128 \
               --samples-per-prompt 8 --repeats 3 $flag --out "$OUT/grpo29_$v.json"; done ;;
+    # what a decode step costs outside its graph, and what capturing more of it would take off
+    probe31) run probe31 300 python3 benchmarks/step_graph_probe.py --out "$OUT/probe31.json"
+              rm -f $OUT/*.log ;;
+    qkvrope31) run qkvrope31 200 python3 -m pytest -q -m gpu tests/test_triton_qkv_rope.py -p no:cacheprovider
+              rm -f $OUT/*.log ;;
+    # the per-head decode attention at batch 1 in the decode benchmark's process (three rounds)
+    ab31a) ROUNDS=${ROUNDS:-3} ab_stage ab31a benchmarks/ab_thirtyfirst_session.json 540 1 32 128
+              rm -f $OUT/*.log ;;
+    # the TMA GEMMs as thread-block clusters of 2 CTAs (Triton's num_ctas), alone at 128 and 64 rows
+    tma31) run tma31 300 python3 benchmarks/gpu_gemm_tma.py --clusters --rows 128 64 \
+              --shapes gate_up down qkv o --case-budget-s 30 --out "$OUT/tma31.json"
+              rm -f $OUT/*.log ;;
+    # batch 1's fixed cost: the one-request prefill's kernels and idle gaps, and the call's timeline
+    pk31) run pk31_prefill 200 python3 benchmarks/prefill_kernel_profile.py --batch 1 --calls 10 \
+              --out "$OUT/pk31_prefill_b1.json"
+          run pk31_timeline 200 python3 benchmarks/step_timeline.py --batch-sizes 1 --out "$OUT/pk31_timeline_b1.json"
+          rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
