@@ -24,7 +24,7 @@ from benchmarks.gpu_gemv import (SHAPES, rel_err, start_sweep, sweep_parser, tim
                                  weight_copies, write_winners)
 
 
-KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab", "num_ctas")
+KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
 
 
 def candidates(M: int, name: str = "") -> list[dict]:
@@ -82,23 +82,6 @@ def narrow(M: int, name: str) -> list[dict]:
     return _dicts(first)
 
 
-def clustered(M: int, name: str) -> list[dict]:
-    """Thread-block clusters of 2 CTAs sharing a program's tile (Triton's num_ctas): each CTA
-    computes half of it, the operand both halves need loaded once for the cluster if Triton
-    multicasts it. At 128 rows every weight tile is read by two programs (two 64-row M blocks)
-    and x by every N block, ~161 MB through L2 for gate/up's 55 MB of weights. Each clustered
-    config beside the same tile in one CTA (num_ctas 1)."""
-    tiles = {"gate_up": [(128, 64, 64, 4, 3, 1, True), (128, 128, 64, 4, 3, 1, True),
-                         (128, 64, 64, 8, 3, 1, True), (128, 128, 64, 8, 3, 1, True),
-                         (64, 128, 64, 4, 3, 1, True)],
-             "down": [(128, 64, 128, 4, 4, 5, True), (128, 128, 128, 4, 4, 5, True),
-                      (128, 128, 64, 8, 4, 7, True)],
-             }.get(name, [(128, 32, 128, 4, 6, 1, False), (128, 64, 128, 4, 4, 1, False),
-                          (128, 64, 128, 4, 4, 1, True)])
-    tiles = [t for t in tiles if t[0] <= max(64, M)]
-    return _dicts([(*t, ctas) for t in tiles for ctas in (2, 1)])
-
-
 def _one_row(name: str) -> list[tuple]:
     """One row (x padded to 16 by TMA's zero fill): swapped A/B puts the weight tile on wgmma's
     64-row side; K split where the N tiles alone are too few programs."""
@@ -121,15 +104,13 @@ def _one_row(name: str) -> list[tuple]:
 def _dicts(configs: list[tuple]) -> list[dict]:
     seen, out = set(), []
     for c in configs:
-        c = tuple(c) + (1,) * (len(KEYS) - len(c))  # num_ctas 1 unless given
         if c not in seen:
             seen.add(c)
             out.append(dict(zip(KEYS, c)))
     return out
 
 
-def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False,
-             clusters: bool = False) -> dict:
+def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bool = False) -> dict:
     from rollout.layers import triton_gemv as g, triton_ops
     N, K, has_bias, gated = SHAPES[name]
     wbytes = N * K * 2
@@ -142,8 +123,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bo
     def run(cfg):  # cfg: None = cuBLAS, "table" = the current path, else a TMA config dict
         if isinstance(cfg, dict):
             c = g.Config(cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_warps"], True,
-                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"],
-                         num_ctas=cfg["num_ctas"])
+                         cfg["num_stages"], cfg["block_m"], tma=True, swap_ab=cfg["swap_ab"])
             if M > g.BATCH_MAX_M:  # a prefill chunk: the TMA kernel itself, past the table
                 from rollout.layers import triton_gemm_tma as t
                 width = N // 2 if gated else N
@@ -171,9 +151,7 @@ def run_case(name: str, M: int, copy_bw: float, budget_s: float, narrow_only: bo
     row["table"] = stats(time_per_call(run("table"), n_w)) if table else dict(row["cublas"])
     row["table"]["kernel"] = "triton_gemv" if table else "cublas"
     deadline, tried = time.perf_counter() + budget_s, []
-    sweep = (narrow(M, name) if narrow_only else clustered(M, name) if clusters
-             else candidates(M, name))
-    for c in sweep:
+    for c in (narrow(M, name) if narrow_only else candidates(M, name)):
         if time.perf_counter() > deadline:
             row["sweep_cut_by_budget"] = True
             break
@@ -204,8 +182,6 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", type=int, default=[128, 64, 32])
     p.add_argument("--narrow", action="store_true",
                    help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
-    p.add_argument("--clusters", action="store_true",
-                   help="sweep only thread-block clusters of 2 CTAs, each beside its tile in one CTA")
     args = p.parse_args()
     result, copy_bw = start_sweep()
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
@@ -213,7 +189,7 @@ def main() -> None:
     for M in args.rows:
         for name in args.shapes:
             try:
-                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow, args.clusters)
+                row = run_case(name, M, copy_bw, args.case_budget_s, args.narrow)
             except Exception:
                 result["errors"].append(f"{name} M={M}: {traceback.format_exc()}")
                 print(f"{name:8} {M:3} | failed: {traceback.format_exc().splitlines()[-1]}")

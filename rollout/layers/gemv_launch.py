@@ -37,8 +37,6 @@ class Config(NamedTuple):
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
-    num_ctas: int = 1  # TMA kernel: CTAs of a thread-block cluster sharing one program's tile
-    # (Triton's num_ctas; measured, not in the table)
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's

@@ -143,6 +143,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         SPLIT=split, SWAP_AB=bool(cfg.swap_ab), HAS_BIAS=bias is not None, GATED=gated,
         COMPILED=_COMPILED, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH_K=cfg.prefetch_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, num_ctas=cfg.num_ctas,
-        enable_fp_fusion=False, **launch_options())
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **launch_options())
     return finish_split(partials, bias, out, gated, split, defer_split)
