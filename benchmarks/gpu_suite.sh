@@ -728,10 +728,6 @@ for stage in "$@"; do
     # the per-head decode attention at batch 1 in the decode benchmark's process (three rounds)
     ab31a) ROUNDS=${ROUNDS:-3} ab_stage ab31a benchmarks/ab_thirtyfirst_session.json 540 1 32 128
               rm -f $OUT/*.log ;;
-    # the TMA GEMMs as thread-block clusters of 2 CTAs (Triton's num_ctas), alone at 128 and 64 rows
-    tma31) run tma31 300 python3 benchmarks/gpu_gemm_tma.py --clusters --rows 128 64 \
-              --shapes gate_up down qkv o --case-budget-s 30 --out "$OUT/tma31.json"
-              rm -f $OUT/*.log ;;
     # batch 1's fixed cost: the one-request prefill's kernels and idle gaps, and the call's timeline
     pk31) run pk31_prefill 200 python3 benchmarks/prefill_kernel_profile.py --batch 1 --calls 10 \
               --out "$OUT/pk31_prefill_b1.json"
