@@ -733,6 +733,9 @@ for stage in "$@"; do
               --out "$OUT/pk31_prefill_b1.json"
           run pk31_timeline 200 python3 benchmarks/step_timeline.py --batch-sizes 1 --out "$OUT/pk31_timeline_b1.json"
           rm -f $OUT/*.log ;;
+    # the batch-128 decode attention's stages, warps and key blocks (two rounds, batch 128)
+    ab31b) ab_stage ab31b benchmarks/ab_thirtyfirst_session_b.json 560 128
+              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
