@@ -248,7 +248,13 @@ def launch_into(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.
     rows, vocab = logits.shape
     launch = launch or launch_for(rows)
     cmax, csum = stats
-    chunks = cmax.shape[1]
+    chunks = triton.cdiv(vocab, CHUNK)
+    wants = {"stats": ((rows, chunks), cmax.shape, csum.shape), "tokens": ((rows,), tokens.shape),
+             "logprobs": ((rows,), logprobs.shape), "packed": ((2, rows), packed.shape)}
+    for name, (shape, *got) in wants.items():
+        if any(tuple(g) != shape for g in got):
+            raise ValueError(f"sampler {name} buffer of shape {[tuple(g) for g in got]}, "
+                             f"want {shape} for {rows} rows of {vocab} logits")
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
         logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,

@@ -291,3 +291,27 @@ def test_fused_sampler_frequencies_match_softmax(launch):
     exp = torch.cat((expected[top], expected[~top].sum().view(1))).numpy()
     assert chisquare(obs, exp).pvalue > 1e-3
     assert torch.allclose(logprobs.cpu().double(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
+
+
+def test_launch_into_fills_given_buffers_as_sample_unfiltered_returns():
+    """The kernels into the caller's buffers (what a graph that samples captures) draw what
+    `sample_unfiltered` draws; a buffer of the wrong shape is refused before any launch."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, VOCAB, generator=gen) * 4
+    info = _info([SamplingParams(temperature=t) for t in (1.0, 0.7, 0.0)], [1, 2, 3], [4, 5, 6], DEV)
+    want = triton_sampler.sample_unfiltered(logits.to(DEV), info.temperatures, info.greedy,
+                                            info.uniforms)
+    chunks = -(-VOCAB // triton_sampler.CHUNK)
+    stats = tuple(torch.full((3, chunks), float("nan"), device=DEV) for _ in range(2))
+    tokens = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    logprobs, packed = torch.zeros(3, device=DEV), torch.zeros(2, 3, dtype=torch.float64, device=DEV)
+    triton_sampler.launch_into(logits.to(DEV), info.temperatures, info.greedy, info.uniforms,
+                               stats, tokens, logprobs, packed)
+    assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+    assert torch.equal(packed, want[2])
+    short = tuple(s[:, :-1] for s in stats)
+    before = tokens.clone()
+    with pytest.raises(ValueError, match="stats"):
+        triton_sampler.launch_into(logits.to(DEV), info.temperatures, info.greedy, info.uniforms,
+                                   short, tokens, logprobs, packed)
+    assert torch.equal(tokens, before)
