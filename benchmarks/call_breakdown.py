@@ -38,7 +38,8 @@ def breakdown(engine, batch: int, prompt_len: int, lengths: list[int], repeats: 
     med = {n: statistics.median(v) for n, v in ms.items()}
     longest = max(lengths)
     step = (med[longest] - med[2]) / (longest - 2)
-    replay = replay_seconds(full_batch_graph(engine, batch, prompt_len + longest), 100) * 1e3
+    graph = full_batch_graph(engine, batch, prompt_len + longest, required=True)
+    replay = replay_seconds(graph, 100) * 1e3
     return {"calls_ms": {str(n): [round(v, 3) for v in ms[n]] for n in lengths},
             "median_ms": {str(n): round(v, 3) for n, v in med.items()},
             "fixed_ms": round(med[1], 3), "step_ms": round(step, 4),

@@ -24,16 +24,20 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / 1e3 / replays
 
 
-def full_batch_graph(engine, batch: int, max_keys: int):
+def full_batch_graph(engine, batch: int, max_keys: int, required: bool = False):
     """The decode graph a step of all `batch` requests replays when the longest context has
-    `max_keys` keys (its padded size, its launch class); None if not captured. Not the graph a
-    call replayed last: with mixed steps the first prefill chunk's requests decode a step ahead
-    of the second's, so a 128-request call of equal lengths ends on a step of 64 rows."""
+    `max_keys` keys (its padded size, its launch class); None if not captured (`required`: a
+    ValueError). Not the graph a call replayed last: with mixed steps the first prefill chunk's
+    requests decode a step ahead of the second's, so a 128-request call of equal lengths ends
+    on a step of 64 rows."""
     gr = engine.runner.graph_runner
-    if gr is None or not gr.graphs or not 0 < batch <= gr.max_bs:
-        return None
-    size = gr.batch_sizes[bisect.bisect_left(gr.batch_sizes, batch)]
-    return gr.graphs.get((size, gr.backend.decode_launch_class(size, max_keys)))
+    graph = None
+    if gr is not None and gr.graphs and 0 < batch <= gr.max_bs:
+        size = gr.batch_sizes[bisect.bisect_left(gr.batch_sizes, batch)]
+        graph = gr.graphs.get((size, gr.backend.decode_launch_class(size, max_keys)))
+    if graph is None and required:
+        raise ValueError(f"no decode CUDA graph captured for {batch} requests")
+    return graph
 
 
 def generate_seconds(engine, prompts, params) -> float:

@@ -59,7 +59,7 @@ def main() -> None:
     for bs in args.batch_sizes:
         sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
         engine.generate(prompts_for(bs, args.prompt_len, spec.vocab_size), sp)  # contexts ~192
-        graph = full_batch_graph(engine, bs, args.prompt_len + args.new_tokens)
+        graph = full_batch_graph(engine, bs, args.prompt_len + args.new_tokens, required=True)
         replay_ms = replay_seconds(graph, 50) * 1e3
         rows = kernel_table(graph, args.replays)
         total = sum(r["us_per_replay"] for r in rows)
