@@ -736,14 +736,6 @@ for stage in "$@"; do
     # the batch-128 decode attention's stages, warps and key blocks (two rounds, batch 128)
     ab31b) ab_stage ab31b benchmarks/ab_thirtyfirst_session_b.json 560 128
               rm -f $OUT/*.log ;;
-    # the Gluon one-row gate/up (TMA ring before the PDL wait): GPU spec, alone and in the MLP's
-    # entry chain against the Triton kernel, then the engine at batch 1 (ab_thirtysecond_session)
-    g32spec) run g32spec 240 python3 -m pytest -q -m gpu tests/test_gluon_gate_up.py -p no:cacheprovider
-              rm -f $OUT/*.log ;;
-    g32bench) run g32bench 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/g32bench.json"
-              rm -f $OUT/*.log ;;
-    ab32) ab_stage ab32 benchmarks/ab_thirtysecond_session.json 560 1
-              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -128,10 +128,7 @@ class MLP(nn.Module):
         """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
         w = self.gate_up_proj.weight
         if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
-            from rollout.layers import gluon_gate_up, triton_gemv
-            gluon_config = gluon_gate_up.config_from_env()
-            if gluon_config is not None and gluon_gate_up.supports(x, w, self.inter, gluon_config):
-                return gluon_gate_up.gate_up_silu(x, w, self.inter, gluon_config)
+            from rollout.layers import triton_gemv
             return triton_gemv.skinny_gate_up_silu(x, w, self.inter)
         from rollout.layers import triton_ops
         return triton_ops.silu_and_mul(self.gate_up_proj(x))
