@@ -736,18 +736,6 @@ for stage in "$@"; do
     # the batch-128 decode attention's stages, warps and key blocks (two rounds, batch 128)
     ab31b) ab_stage ab31b benchmarks/ab_thirtyfirst_session_b.json 560 128
               rm -f $OUT/*.log ;;
-    # the Gluon decode attention (cp.async ring before the PDL wait): GPU spec, alone against
-    # the Triton kernel, then the engine at batch 128 (ab_thirtysecond_session_b)
-    a32spec) run a32spec 300 python3 -m pytest -q -x -m gpu tests/test_decode_gluon.py -p no:cacheprovider
-              rm -f $OUT/*.log ;;
-    a32bench) run a32bench 300 python3 benchmarks/gpu_decode_gluon.py --out "$OUT/a32bench.json"
-              rm -f $OUT/*.log ;;
-    ab32b) ab_stage ab32b benchmarks/ab_thirtysecond_session_b.json 560 128
-              rm -f $OUT/*.log ;;
-    ab32c) ROUNDS=${ROUNDS:-1} ab_stage ab32c benchmarks/ab_thirtysecond_session_c.json 560 128
-              rm -f $OUT/*.log ;;
-    ab32d) ROUNDS=${ROUNDS:-1} ab_stage ab32d benchmarks/ab_thirtysecond_session_d.json 560 128
-              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

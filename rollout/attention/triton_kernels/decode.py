@@ -377,13 +377,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     # one split: the kernel normalises and writes the output itself (what the merge of a single
     # split computes, bit for bit), one kernel instead of two
     direct = num_splits == 1
-    if direct and q.is_cuda:
-        from rollout.attention.triton_kernels import decode_gluon
-        gluon_config = decode_gluon.config_from_env()
-        if gluon_config is not None and decode_gluon.supports(q, k_buffer, gluon_config):
-            return decode_gluon.decode_attention_gluon(q, k_buffer, v_buffer, req_to_token,
-                                                       req_pool_indices, seq_lens, sm_scale,
-                                                       out, group, gluon_config)
     dest, dest_strides = (out, (out.stride(0), out.stride(1), 0)) if direct else (
         part_o, (part_o.stride(0), part_o.stride(1), part_o.stride(2)))
     _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
