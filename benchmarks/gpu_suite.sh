@@ -736,6 +736,15 @@ for stage in "$@"; do
     # the batch-128 decode attention's stages, warps and key blocks (two rounds, batch 128)
     ab31b) ab_stage ab31b benchmarks/ab_thirtyfirst_session_b.json 560 128
               rm -f $OUT/*.log ;;
+    # the decode attention's L2 prefetch of the context before its PDL wait: GPU spec, then the
+    # engine at batches 32 and 128 (ab_thirtysecond_session_e)
+    pf32spec) run pf32spec 200 python3 -m pytest -q tests/test_triton_kernels.py \
+              -k "prefetch or after_the_kernel" -p no:cacheprovider
+              rm -f $OUT/*.log ;;
+    ab32e) ROUNDS=${ROUNDS:-1} ab_stage ab32e benchmarks/ab_thirtysecond_session_e.json 420 32 128
+              rm -f $OUT/*.log ;;
+    ab32f) ab_stage ab32f benchmarks/ab_thirtysecond_session_f.json 240 32 64
+              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

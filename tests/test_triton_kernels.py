@@ -105,6 +105,9 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     decode.DecodeConfig(8, num_stages=2), decode.DecodeConfig(8, num_stages=3),
     decode.DecodeConfig(8, num_stages=2, preload_kv=True),
     decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True),
+    decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True,
+                        prefetch_l2=True),
+    decode.DecodeConfig(4, block_n=64, num_warps=2, num_stages=3, prefetch_l2=True),
     decode.DecodeConfig(8, block_n=256, num_warps=8, num_stages=2, per_head=True),
     decode.DecodeConfig(8, block_n=64, num_warps=4, num_stages=2, per_head=True),
     decode.DecodeConfig(1, block_n=64, num_warps=4, num_stages=2, per_head=True)])
@@ -153,6 +156,30 @@ def test_decode_after_the_kernel_that_writes_the_new_key(monkeypatch, config):
     step()
     assert not out.isnan().any()
     assert all(torch.equal(r, out) for r in replays)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_l2_prefetch_is_a_hint(splits):
+    """`prefetch_l2` (the first KV head's programs ask L2 for every head's earlier keys and
+    values before the PDL wait) changes no bit. On CPU the interpreter runs without it (inline
+    PTX); on a GPU bf16 Qwen2-1.5B heads, 128 requests of 1-300 keys, with it."""
+    cuda = DEV.type == "cuda"
+    gen = torch.Generator().manual_seed(9)
+    lens = torch.randint(1, 301, (128,), generator=gen).tolist() if cuda else SEQ_LENS
+    head_dim, dtype = (128, torch.bfloat16) if cuda else (16, torch.float32)
+    p = make_paged(lens, [n - 1 for n in lens], kv_heads=2, head_dim=head_dim, dtype=dtype)
+    q = torch.randn(len(lens), 12, head_dim, generator=gen).to(DEV, dtype)
+    seq_lens = torch.tensor(lens, device=DEV)
+    with_prefetch = decode.DecodeConfig(splits, 128 if cuda else 16, 4, 2, True, False, True)
+    assert decode._prefetch_row_bytes(with_prefetch, q, p.k, p.v) == (2 * head_dim * 2 if cuda else 0)
+    outs = [decode_attention(q, p.k, p.v, p.req_to_token, p.rows, seq_lens, 0.1, cfg)
+            for cfg in (with_prefetch, with_prefetch._replace(prefetch_l2=False))]
+    assert torch.equal(outs[0], outs[1])
+    expected = torch.cat([reference(q[b:b + 1], p, b, 0.1) for b in range(len(lens))])
+    assert (outs[0].float() - expected.float()).abs().max().item() <= (2e-2 if cuda else 1e-4)
+    # rows that are not one contiguous run of KV heads: no prefetch (no wrong addresses)
+    strided = torch.zeros(p.k.shape[0], 2, head_dim * 2, device=DEV, dtype=dtype)[..., :head_dim]
+    assert decode._prefetch_row_bytes(with_prefetch, q, strided, strided) == 0
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -248,8 +275,15 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     assert decode.decode_launch_config(1, table=table, max_keys=257).per_head is False
     assert decode.decode_launch_config(1, table=table, max_keys=258).per_head is True
     assert decode.decode_launch(3, table=table).launch_classes() == (1,)
+    # the L2 prefetch flag, seventh
+    monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "64:4,64,2,3;256:1,128,4,2,1,0,1")
+    table = decode.launch_table_from_env()
+    assert decode.decode_launch_config(128, table=table) == decode.DecodeConfig(
+        1, 128, 4, 2, True, False, True)
+    assert decode.decode_launch_config(32, table=table).prefetch_l2 is False
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
-                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,1", "2:8,32,4,2,1|8,256,8,2,2",
+                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,2", "16:8,32,4,2,1,1,1,1",
+                "2:8,32,4,2,1|8,256,8,2,2",
                 "2:8,32,4,2,1|8,256,8,2,1,1|8,256,8,2,1,1", "0:8,32,4,2"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)
         with pytest.raises(ValueError, match="decode attention config"):
@@ -266,6 +300,10 @@ def test_decode_launches_by_context_length():
         long = decode.decode_launch_config(batch, max_keys=258)
         assert long == decode.DecodeConfig(8, 128, 4, 3, True)
     assert decode.decode_launch(2, max_splits=2).long.splits == 2
+    # the L2 prefetch of the context before the PDL wait: 17-32 requests only (a CUDA-graph
+    # size edge: a batch and the graph it is padded to launch alike)
+    assert [decode.decode_launch_config(b).prefetch_l2 for b in (16, 17, 32, 33, 64, 128)] == [
+        False, True, True, False, False, False]
     for batch in (17, 32, 64, 128, 256):
         assert decode.decode_launch(batch).launch_classes() == (1,)
         assert (decode.decode_launch_config(batch, max_keys=10 ** 5)

@@ -33,7 +33,8 @@ MIN_BLOCK_H = 16  # tl.dot needs at least 16 rows
 class DecodeConfig(NamedTuple):
     """Launch parameters of the split (stage 1) kernel. Any value gives the same function; the
     rounding can differ with `block_n` (the online softmax's blocks) and `splits`, not with
-    `preload_kv` (the first block's earlier keys and values loaded before the PDL wait)."""
+    `preload_kv` (the first block's earlier keys and values loaded before the PDL wait) nor with
+    `prefetch_l2` (a cache hint)."""
     splits: int = 8
     block_n: int = BLOCK_N
     num_warps: int = 4
@@ -42,6 +43,9 @@ class DecodeConfig(NamedTuple):
     per_head: bool = False  # decode_head.py's kernel: one program per (request, query head,
     # split); a context of up to block_n + 1 keys in the first split alone, no merge; its first
     # block always preloads
+    prefetch_l2: bool = False  # before the PDL wait, the programs of the first KV head ask L2
+    # for the earlier keys and values of every KV head in their range (up to PREFETCH_KEYS):
+    # a hint (the same bits), so that they stream while the kernel before runs
 
 
 @triton.jit
@@ -70,6 +74,22 @@ def _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, mask):
                    mask=mask[:, None] & d_mask[None, :], other=0.0)
 
 
+PREFETCH_KEYS = 256  # keys a program's L2 prefetch covers (from its range's start)
+
+
+@triton.jit
+def _prefetch_rows_l2(base, slots, stride_t, ROW_BYTES: tl.constexpr, valid):
+    """Hopper's bulk L2 prefetch of ROW_BYTES at base + slot * stride_t (elements) for every
+    valid slot, one instruction a slot: a hint, it changes no value."""
+    eb: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
+    addr = base.to(tl.int64) + slots * stride_t * eb
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, ROW_BYTES + 0 * valid.to(tl.int32), valid.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
@@ -77,7 +97,8 @@ def _decode_partial_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr = 0,
+    PREFETCH_KEYS: tl.constexpr = 256,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,6 +127,15 @@ def _decode_partial_kernel(
         k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
         v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
         new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
+    if PREFETCH_ROW_BYTES > 0:
+        if kv_head == 0:  # every KV head's row of a slot: the programs of the other heads,
+            # which may become resident only after the kernel before ends, find theirs in L2
+            pf_n = start + tl.arange(0, PREFETCH_KEYS)
+            pf_old = (pf_n < end) & (pf_n < seq_len - 1)
+            pf_slots = tl.load(ReqToToken + row * stride_r2t + pf_n, mask=pf_old,
+                               other=0).to(tl.int64)
+            _prefetch_rows_l2(K, pf_slots, stride_kt, PREFETCH_ROW_BYTES, pf_old)
+            _prefetch_rows_l2(V, pf_slots, stride_vt, PREFETCH_ROW_BYTES, pf_old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -221,7 +251,7 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 def parse_launch_table(spec: str) -> LaunchTable:
     """A launch table from
-    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head]][|LONG];..." (e.g.
+    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head[,prefetch_l2]]][|LONG];..." (e.g.
     "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
     context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be CUDA-graph sizes (a
     batch and the graph it is padded to then launch alike)."""
@@ -235,7 +265,8 @@ def parse_launch_table(spec: str) -> LaunchTable:
             launch, edge = DecodeLaunch(short, *long), int(edge)
         except (ValueError, TypeError) as e:
             raise ValueError(f"decode attention config {entry!r}: want MAX_BATCH:splits,block_n,"
-                             f"warps,stages[,preload_kv[,per_head]][|LONG] ({e})") from None
+                             f"warps,stages[,preload_kv[,per_head[,prefetch_l2]]][|LONG] ({e})"
+                             ) from None
         if edge < 1:
             raise ValueError(f"decode attention config {entry!r}: MAX_BATCH positive")
         table.append((edge, launch))
@@ -249,7 +280,7 @@ def _parse_config(text: str) -> DecodeConfig:
     if not 4 <= len(values) <= len(DecodeConfig._fields):
         raise ValueError(f"{len(values)} values")
     if any(flag not in (0, 1) for flag in values[4:]):
-        raise ValueError("preload_kv and per_head are 0 or 1")
+        raise ValueError("preload_kv, per_head and prefetch_l2 are 0 or 1")
     cfg = DecodeConfig(*values[:4], *map(bool, values[4:]))
     if min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError("positive values, block_n a power of two")
@@ -316,13 +347,20 @@ def decode_launch(batch: int, max_splits: int = 8,
     39.0 µs; the engine's batch-32 step 2.457 -> 2.441 ms), not worth a kernel compiled at
     every start-up; at 33-64 the short config stayed the best. In the engine with a 3,968-token
     prompt (decode graph ms, `long24c`): batch 1 2.003 -> 1.365, 2 2.430 -> 1.780, 4 2.485 ->
-    1.833, 8 2.485 -> 1.925, 16 2.611 -> 2.118."""
+    1.833, 8 2.485 -> 1.925, 16 2.611 -> 2.118. Thirty-second session: the L2 prefetch of the
+    programs' earlier keys and values before the PDL wait (`prefetch_l2`) at 17-32 requests; in
+    the engine (`ab_thirtysecond_session_e.json`, `_f.json`) the batch-32 decode graph 1.5040 ->
+    1.4826 ms (two rounds; 19,251 -> 19,745 tok/s), while at 64 it lost (1.5279 -> 1.5524) and at
+    128 too (1.7484 -> 1.7632 / 1.7896, one round)."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         launch = next((c for edge, c in table if batch <= edge), table[-1][1])
         return launch.capped(max_splits)
     if batch <= 16:
         return DecodeLaunch(DecodeConfig(max_splits, num_stages=2, preload_kv=True),
                             DecodeConfig(max_splits, 128, 4, 3, True))
+    if batch <= 32:
+        return DecodeLaunch(DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2,
+                                         prefetch_l2=True))
     if batch <= 64:
         return DecodeLaunch(DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2))
     return DecodeLaunch(DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True))
@@ -344,6 +382,21 @@ def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
         torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device),
         torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device),
         torch.zeros(batch, heads, dtype=torch.int32, device=device))
+
+
+def _prefetch_row_bytes(config: DecodeConfig, q: torch.Tensor, k_buffer: torch.Tensor,
+                        v_buffer: torch.Tensor) -> int:
+    """Bytes of a slot's row (all KV heads) the L2 prefetch asks for; 0: no prefetch (not asked,
+    not compiled, or rows that are not contiguous, 16-byte units)."""
+    from rollout.layers.triton_ops import _COMPILED
+    heads_row = k_buffer.shape[1] * k_buffer.shape[2]
+    if not (config.prefetch_l2 and _COMPILED and q.is_cuda):
+        return 0
+    for buf in (k_buffer, v_buffer):
+        if buf.stride(2) != 1 or buf.stride(1) != buf.shape[2] or buf.stride(0) % 8:
+            return 0
+    row_bytes = heads_row * k_buffer.element_size()
+    return row_bytes if row_bytes % 16 == 0 else 0
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -388,7 +441,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
         PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_options())
+        num_stages=config.num_stages,
+        PREFETCH_ROW_BYTES=_prefetch_row_bytes(config, q, k_buffer, v_buffer),
+        PREFETCH_KEYS=PREFETCH_KEYS, **launch_options())
     if direct:
         return out
     _decode_reduce_kernel[(batch, heads)](
