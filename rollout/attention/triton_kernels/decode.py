@@ -387,15 +387,16 @@ def decode_buffers(batch: int, heads: int, head_dim: int, num_splits: int,
 def _prefetch_row_bytes(config: DecodeConfig, q: torch.Tensor, k_buffer: torch.Tensor,
                         v_buffer: torch.Tensor) -> int:
     """Bytes of a slot's row (all KV heads) the L2 prefetch asks for; 0: no prefetch (not asked,
-    not compiled, or rows that are not contiguous, 16-byte units)."""
+    not compiled, or rows that are not one contiguous run of KV heads on 16-byte boundaries, the
+    bulk prefetch's unit)."""
     from rollout.layers.triton_ops import _COMPILED
-    heads_row = k_buffer.shape[1] * k_buffer.shape[2]
     if not (config.prefetch_l2 and _COMPILED and q.is_cuda):
         return 0
+    row_bytes = k_buffer.shape[1] * k_buffer.shape[2] * k_buffer.element_size()
     for buf in (k_buffer, v_buffer):
-        if buf.stride(2) != 1 or buf.stride(1) != buf.shape[2] or buf.stride(0) % 8:
+        if (buf.stride(2) != 1 or buf.stride(1) != buf.shape[2] or buf.data_ptr() % 16
+                or (buf.stride(0) * buf.element_size()) % 16):
             return 0
-    row_bytes = heads_row * k_buffer.element_size()
     return row_bytes if row_bytes % 16 == 0 else 0
 
 
