@@ -5,7 +5,6 @@ leaves the replicas refusing to generate until a complete update lands."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 import time
 
 import pytest

@@ -1,7 +1,6 @@
 """Spec: bad models, checkpoints and requests get typed errors that name the problem, raised
 before any work starts; the engine keeps serving afterwards."""
 import json
-import shutil
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ packed GEMMs are bit for bit the plain ones; the MLP's SiLU runs as a oneDNN pos
 packed path (an fp32 ulp or two from torch's), so logits agree within 1e-5 and greedy tokens
 exactly — a stale packed copy (a 0.02-scale weight change) is off by orders of magnitude more."""
 import pytest
-import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from tests.helpers import hf_model

@@ -3,7 +3,7 @@ shape). Checkpoint loading and weight sync both validate against it, then load t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 from torch import nn
