@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from rollout.layers.split_sum import SplitSum
 from rollout.layers.triton_gemv import (Config, _epilogue, finish_split, split_k_range,
                                          split_partials)
-from rollout.layers.triton_ops import _is_compiled
+from rollout.layers.triton_ops import _is_compiled, bulk_prefetch_l2
 from rollout.triton_pdl import launch_options, pdl_wait
 
 
@@ -45,13 +45,9 @@ def _prefetch_l2(W, row0, rows_end, k0, k_end, K, ROWS: tl.constexpr, COLS: tl.c
     rows = row0 + tl.arange(0, ROWS)
     cols = tl.minimum(COLS, tl.minimum(k_end, K) - k0)
     size = (cols * eb) // 16 * 16  # the instruction's unit
-    valid = ((rows < rows_end) & (size > 0)).to(tl.int32)
+    valid = (rows < rows_end) & (size > 0)
     addr = W.to(tl.int64) + (rows.to(tl.int64) * K + k0) * eb
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, size + 0 * rows, valid],  # the size as a tensor of the rows' shape
-        dtype=tl.int32, is_pure=False, pack=1)
+    bulk_prefetch_l2(addr, size + 0 * rows, valid)  # the size as a tensor of the rows' shape
 
 
 @triton.jit

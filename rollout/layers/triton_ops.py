@@ -81,6 +81,17 @@ def _round(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def bulk_prefetch_l2(addr, size, valid):
+    """Hopper's bulk L2 prefetch (`cp.async.bulk.prefetch.L2`) of `size` bytes at each byte
+    address in `addr` where `valid` is nonzero, one instruction an element (16-byte units and
+    alignment): a hint, it changes no value. Compiled kernels only (inline PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, size, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # ---- RMSNorm (optionally after the residual add) -------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(

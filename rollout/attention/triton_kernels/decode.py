@@ -24,6 +24,7 @@ import triton.language as tl
 from rollout.attention.triton_kernels.common import (block_dmodel, check_kv, dot_precision,
                                                       merge_partial)
 from rollout.attention.triton_kernels.decode_head import decode_attention_per_head
+from rollout.layers.triton_ops import _COMPILED, bulk_prefetch_l2
 from rollout.triton_pdl import launch_options, pdl_wait
 
 BLOCK_N = 32  # keys per inner step (default)
@@ -78,27 +79,14 @@ PREFETCH_KEYS = 256  # keys a program's L2 prefetch covers (from its range's sta
 
 
 @triton.jit
-def _prefetch_rows_l2(base, slots, stride_t, ROW_BYTES: tl.constexpr, valid):
-    """Hopper's bulk L2 prefetch of ROW_BYTES at base + slot * stride_t (elements) for every
-    valid slot, one instruction a slot: a hint, it changes no value."""
-    eb: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-    addr = base.to(tl.int64) + slots * stride_t * eb
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, ROW_BYTES + 0 * valid.to(tl.int32), valid.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr = 0,
-    PREFETCH_KEYS: tl.constexpr = 256,
+    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,8 +122,10 @@ def _decode_partial_kernel(
             pf_old = (pf_n < end) & (pf_n < seq_len - 1)
             pf_slots = tl.load(ReqToToken + row * stride_r2t + pf_n, mask=pf_old,
                                other=0).to(tl.int64)
-            _prefetch_rows_l2(K, pf_slots, stride_kt, PREFETCH_ROW_BYTES, pf_old)
-            _prefetch_rows_l2(V, pf_slots, stride_vt, PREFETCH_ROW_BYTES, pf_old)
+            eb: tl.constexpr = K.dtype.element_ty.primitive_bitwidth // 8
+            size = PREFETCH_ROW_BYTES + 0 * pf_n  # a slot's row of every KV head
+            bulk_prefetch_l2(K.to(tl.int64) + pf_slots * stride_kt * eb, size, pf_old)
+            bulk_prefetch_l2(V.to(tl.int64) + pf_slots * stride_vt * eb, size, pf_old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -389,7 +379,6 @@ def _prefetch_row_bytes(config: DecodeConfig, q: torch.Tensor, k_buffer: torch.T
     """Bytes of a slot's row (all KV heads) the L2 prefetch asks for; 0: no prefetch (not asked,
     not compiled, or rows that are not one contiguous run of KV heads on 16-byte boundaries, the
     bulk prefetch's unit)."""
-    from rollout.layers.triton_ops import _COMPILED
     if not (config.prefetch_l2 and _COMPILED and q.is_cuda):
         return 0
     row_bytes = k_buffer.shape[1] * k_buffer.shape[2] * k_buffer.element_size()
