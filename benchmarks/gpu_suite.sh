@@ -72,6 +72,14 @@ for stage in "$@"; do
               run skinny_ab 420 bash -c 'for s in 1 0; do ROLLOUT_SKINNY_GEMM=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
               --new-tokens 128 --repeats 2 --skip-hf --out $OUT/skinny_$s.json; done' ;;
+    # the 128-row decode GEMMs as CUTLASS kernels with clusters (TMA multicast of x) next to cuBLAS
+    # and the Triton table; carry .cutlass_build (the library built here, and CUTLASS's headers
+    # to build it again on the device when it does not load)
+    cutlass33) if ! python3 -c "import ctypes; ctypes.CDLL('.cutlass_build/libgemm_probe.so')"; then
+              run cutlass_build 300 python3 benchmarks/gpu_cutlass_gemm.py --build .cutlass_build \
+              --cutlass-include .cutlass_build/cutlass/include --jobs 16; fi
+              run cutlass33 400 python3 benchmarks/gpu_cutlass_gemm.py --lib .cutlass_build/libgemm_probe.so \
+              --out "$OUT/cutlass33.json" ;;
     decode) run decode 480 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --out "$OUT/decode.json" ;;
