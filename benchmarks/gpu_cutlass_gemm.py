@@ -119,6 +119,19 @@ class Probe:
         return fn
 
 
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one fn() launches (torch.profiler): which cuBLAS kernel, tile and cluster
+    shape a call takes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def run_case(probe: Probe, name: str, M: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -132,6 +145,8 @@ def run_case(probe: Probe, name: str, M: int) -> dict:
     row = {"name": name, "M": M, "N": N, "K": K, "weight_bytes": N * K * 2,
            "cublas_us": time_per_call(lambda i: F.linear(x, ws[i]), len(ws)) * 1e6,
            "cublas_w_xT_us": time_per_call(lambda i: torch.mm(ws[i], x.t()), len(ws)) * 1e6}
+    row["cublas_kernels"] = kernel_names(lambda: F.linear(x, ws[0]))
+    row["cublas_w_xT_kernels"] = kernel_names(lambda: torch.mm(ws[0], x.t()))
     if gated:
         row["cublas_silu_us"] = time_per_call(
             lambda i: triton_ops.silu_and_mul(F.linear(x, ws[i])), len(ws)) * 1e6
@@ -200,7 +215,8 @@ def main() -> None:
                   f"{', +SiLU %.2f' % row['cublas_silu_us'] if 'cublas_silu_us' in row else ''})"
                   f" table {row.get('table_us', float('nan')):.2f} | CUTLASS best "
                   f"{best.get('us', float('nan')):.2f} {best.get('config')} mode "
-                  f"{best.get('mode')} splits {best.get('splits')}", flush=True)
+                  f"{best.get('mode')} splits {best.get('splits')}; cuBLAS kernels "
+                  f"{row['cublas_kernels']} / {row['cublas_w_xT_kernels']}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
