@@ -45,10 +45,6 @@ class ForwardMode(Enum):
     DRAFT_EXTEND = auto()  # reserved: speculative decoding
 
     @property
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
-    @property
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 

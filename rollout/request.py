@@ -74,11 +74,6 @@ class Request:
         return sampled - 1 if self.output_ids or self.pending else sampled
 
     @property
-    def position(self) -> int:
-        """Position of the next token to sample."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
-
-    @property
     def ends_by_length_when_applied(self) -> bool:
         """Its pending tokens will finish it on length: no further step needs it."""
         pending = self.pending

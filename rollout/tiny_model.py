@@ -6,7 +6,7 @@ byte-level tokenizer.json, without needing `transformers`. Same arguments give i
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -173,10 +173,6 @@ def _byte_of_char(c: str) -> int:
         return ord(c)
     missing = [b for b in range(256) if b not in printable]
     return missing[ord(c) - 256]
-
-
-def spec_dict(spec: TinyModelSpec) -> dict:
-    return asdict(spec)
 
 
 def default_tiny_model_dir() -> Path:

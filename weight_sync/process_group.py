@@ -125,10 +125,6 @@ def _make_pg(store, rank: int, addr: GroupAddress, timeout: datetime.timedelta):
     raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', got {addr.backend!r}")
 
 
-def local_host() -> str:
-    return socket.gethostname()
-
-
 class PendingBroadcast:
     def __init__(self, group: WeightSyncGroup, work, tensor: torch.Tensor):
         self.group, self.work, self.tensor = group, work, tensor
