@@ -1,8 +1,12 @@
 """The RolloutController's weight-sync API: the same methods as the Engine's, driven over every
 shard of every replica. Each update: pause every leader at a step boundary (in-flight requests
 by `pause_mode`), have every shard load its own slices (one Ray call per shard per update, never
-per parameter), commit the new version on the leaders, resume. A shard that fails after its first
-write leaves its replica refusing to generate until a complete update lands.
+per parameter), commit the new version on the leaders, resume. What can be checked without the update's bytes
+(names, shapes, dtypes, the checkpoint, a pushed layout, the group) is checked on every shard
+before any replica pauses. An update that some replicas fail leaves the controller on its
+current version, so the replicas that took the new one, or were left holding a mix, go `stale`
+(no work, generation refused) until a complete update lands: every replica that serves holds
+the version the controller reports.
 
 A push of a registered IPC layout (`IpcLayoutRef`) into single-rank replicas skips Ray: each
 leader's loopback push channel (`weight_sync/push_channel.py`, opened once through Ray and
@@ -29,6 +33,7 @@ from weight_sync.process_group import GroupAddress
 from weight_sync.push_channel import (PushChannelClient, PushChannelError, PushChannelInfo, push_request,
                                       send_all)
 from weight_sync.spec import TensorSpec
+from weight_sync.version import next_version
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +165,12 @@ class ControllerWeightsMixin:
             clients = self._channel_clients(targets)
             if not clients:
                 return None
-            new_version = self._weight_version + 1 if version is None else int(version)
+            new_version = next_version(self._weight_version, version)
             fast = [r for r in targets if r.index in clients]
             slow = [r for r in targets if r.index not in clients]
             replies = send_all([clients[r.index] for r in fast],
                                push_request(ref.layout_id, new_version, allow_partial, pause_mode))
-            errors, done = [], []
+            failed, done = [], []
             for replica, reply in zip(fast, replies):
                 if isinstance(reply, PushChannelError):
                     logger.warning("replica %d: push channel failed (%s); pushing through Ray",
@@ -175,17 +180,13 @@ class ControllerWeightsMixin:
                 elif reply.get("ok"):
                     done.append(replica)
                 else:
-                    errors.append(_typed_error(reply))
+                    failed.append((replica, _typed_error(reply)))
             if slow:
-                try:
-                    done += self._update_single_rank("ipc", ref, new_version, allow_partial, pause_mode,
-                                                     slow)
-                except Exception as e:  # noqa: BLE001 — raised below with the channel's errors
-                    errors.append(e)
+                more_done, more_failed = self._update_single_rank("ipc", ref, new_version, allow_partial,
+                                                                  pause_mode, slow)
+                done, failed = done + more_done, failed + more_failed
             self.last_ipc_path = "channel+ray" if slow else "channel"
-            if errors:
-                raise errors[0]
-            self._commit_update(new_version, done)
+            self._finish_update(new_version, done, failed)
         return new_version
 
     def drop_ipc_layouts(self, layout_ids: Optional[Sequence[str]] = None) -> None:
@@ -237,55 +238,145 @@ class ControllerWeightsMixin:
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         with self._weights_lock:
-            new_version = self._weight_version + 1 if version is None else int(version)
+            new_version = next_version(self._weight_version, version)
             targets = self._serving_replicas()
             if not targets:
                 raise EngineNotReadyError("no replica can take a weight update now: "
                                           f"{self._state} (see status())")
+            targets = self._precheck_everywhere(kind, payload, allow_partial, targets)
             if all(r.tp_size == 1 for r in targets):
-                targets = self._update_single_rank(kind, payload, new_version, allow_partial,
-                                                   pause_mode, targets)
+                done, failed = self._update_single_rank(kind, payload, new_version, allow_partial,
+                                                        pause_mode, targets)
             else:
-                targets = self._update_tp(kind, payload, new_version, allow_partial, pause_mode,
-                                          targets)
-            self._commit_update(new_version, targets)
+                done, failed = self._update_tp(kind, payload, new_version, allow_partial, pause_mode,
+                                               targets)
+            self._finish_update(new_version, done, failed)
         return new_version
 
-    def _commit_update(self, version: int, replicas: list) -> None:
-        """Under the weights lock, after `replicas` took an update: the controller serves
-        `version`, and a stale replica that is now complete is alive again."""
-        self._weight_version, self._weights_updated = version, True
-        self._refresh_stale(replicas)
+    def _precheck_everywhere(self, kind: str, payload, allow_partial: bool, targets: list) -> list:
+        """Every shard checks what it can without the bytes (`WeightUpdater.precheck`) before
+        any replica pauses: a bad update, or one that some replica could not take (a checkpoint
+        its node does not have, a layout it does not hold), fails with nothing changed. A replica
+        whose shard died goes to recovery and is left out."""
+        refs = [(r, [s.precheck_weights.remote(kind, payload, allow_partial) for s in r.shards])
+                for r in targets]
+        ok, errors = [], []
+        for replica, shard_refs in refs:
+            try:
+                ray.get(shard_refs)
+                ok.append(replica)
+            except RayActorError as e:
+                self._replica_failed(replica.index, f"{type(e).__name__} during a weight update")
+            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
+                errors.append(_unwrap(e))
+        if errors:
+            raise errors[0]
+        return ok
+
+    def _finish_update(self, version: int, done: list, failed: list) -> None:
+        """Under the weights lock, after an update: all replicas took it — the controller
+        serves `version` and stale replicas now complete are alive again; some failed — the
+        controller keeps its version, the replicas that do not hold it stop serving, and the
+        first replica's error is raised."""
+        if not failed:
+            self._weight_version, self._weights_updated = version, True
+            self._refresh_stale(done)
+            return
+        reason = self._failure_reason(version, failed)
+        for replica in done:  # they hold weights the controller does not serve
+            if not self._holds_a_mix(replica):  # (TP replicas were fenced before they resumed)
+                self._fence(replica, version, reason)
+        mixed = [r for r, _ in failed if self._holds_a_mix(r)]
+        self._mark_stale(done + mixed, reason)
+        raise failed[0][1]
+
+    def _failure_reason(self, version: int, failed: list) -> str:
+        error = failed[0][1]
+        return (f"weight update to version {version} failed on replica(s) "
+                f"{[r.index for r, _ in failed]} ({type(error).__name__}: {error}); the controller "
+                f"serves version {self._weight_version}")
+
+    def _fence(self, replica, version: int, reason: str) -> None:
+        """The replica, which took `version` while others failed, refuses to generate (its
+        in-flight requests end now, with the tokens they have) until a complete update lands."""
+        reason = f"this replica took version {version}, which others failed: {reason}"
+        try:
+            ray.get(replica.leader.abort_if_incomplete.remote(reason))
+        except RayActorError as e:
+            self._replica_failed(replica.index, f"{type(e).__name__} after a weight update")
+        except Exception as e:  # noqa: BLE001 — it is marked stale below all the same
+            logger.error("replica %d: could not mark its weights incomplete: %s", replica.index, e)
+
+    def _holds_a_mix(self, replica) -> bool:
+        try:
+            return ray.get(replica.leader.incomplete_reason.remote()) is not None
+        except RayActorError as e:
+            self._replica_failed(replica.index, f"{type(e).__name__} after a weight update")
+            return False
 
     def _update_tp(self, kind: str, payload, version: int, allow_partial: bool,
-                   pause_mode: Optional[str], targets: list) -> list:
-        """TP replicas: pause every leader, every shard loads, commit, resume. Returns the
-        replicas that took the update."""
-        if kind == "ipc":  # a shard without the layout (rebuilt) must fail before any rank loads
-            ray.get([s.precheck_weights.remote(kind, payload) for r in targets for s in r.shards])
+                   pause_mode: Optional[str], targets: list) -> tuple[list, list]:
+        """TP replicas: pause every leader, every shard loads, commit (only if every replica
+        loaded: one commit for all), resume. Returns the replicas that took the update and the
+        (replica, error) pairs of those that did not."""
         t0 = time.perf_counter()
-        targets = self._call_leaders(targets, "pause", pause_mode)
+        targets = self._pause_all(targets, pause_mode)
         t1 = time.perf_counter()
         try:
-            errors, targets = self._apply_everywhere(kind, payload, allow_partial, targets)
-            if errors:
-                raise errors[0]
-            return self._call_leaders(targets, "commit_weights", version)
+            failed, targets = self._apply_everywhere(kind, payload, allow_partial, targets)
+            failed_ids = {r.index for r, _ in failed}
+            done = [r for r in targets if r.index not in failed_ids]
+            if not failed:
+                return self._call_leaders(done, "commit_weights", version), failed
+            for replica in done:  # loaded, not committed: fenced before it resumes
+                self._fence(replica, version, self._failure_reason(version, failed))
+            return done, failed
         finally:
             t2 = time.perf_counter()
             self._call_leaders(targets, "resume")
             self._last_phases = {"pause": t1 - t0, "load": t2 - t1, "resume": time.perf_counter() - t2}
 
+    def _pause_all(self, targets: list, pause_mode: Optional[str]) -> list:
+        """Every leader paused (a dead one goes to recovery), or, if one fails to pause, the
+        others resumed and its error raised: no leader is left paused."""
+        refs = [(r, r.leader.pause.remote(pause_mode)) for r in targets]
+        paused, errors = [], []
+        for replica, ref in refs:
+            try:
+                ray.get(ref)
+                paused.append(replica)
+            except RayActorError as e:
+                self._replica_failed(replica.index, f"{type(e).__name__} during pause")
+            except Exception as e:  # noqa: BLE001 — raised once the others are resumed
+                errors.append(e)
+        if errors:
+            self._call_leaders(paused, "resume")
+            raise errors[0]
+        return paused
+
     def _update_single_rank(self, kind: str, payload, version: int, allow_partial: bool,
-                            pause_mode: Optional[str], targets: list) -> list:
-        """Replicas of one rank: one call each does pause → load → commit → resume."""
-        return self._call_leaders(targets, "update_weights", kind, payload, allow_partial, pause_mode,
-                                  version, wrap_error=_unwrap)
+                            pause_mode: Optional[str], targets: list) -> tuple[list, list]:
+        """Replicas of one rank: one call each does pause → load → commit → resume. Returns the
+        replicas that took the update and the (replica, error) pairs of those that did not; a
+        replica whose actor died goes to recovery (in neither list)."""
+        refs = [(r, r.leader.update_weights.remote(kind, payload, allow_partial, pause_mode, version))
+                for r in targets]
+        done, failed = [], []
+        for replica, ref in refs:
+            try:
+                ray.get(ref)
+                done.append(replica)
+            except RayActorError as e:
+                self._replica_failed(replica.index, f"{type(e).__name__} during update_weights")
+            except Exception as e:  # noqa: BLE001 — settled by _finish_update
+                failed.append((replica, _unwrap(e)))
+        return done, failed
 
     def _apply_everywhere(self, kind: str, payload, allow_partial: bool, replicas: list
-                          ) -> tuple[list[BaseException], list]:
+                          ) -> tuple[list[tuple[Any, BaseException]], list]:
         """Every shard loads; a replica with any shard left incomplete is told to refuse; one
-        whose shard died goes to recovery. Returns the errors and the replicas still in."""
+        whose shard died goes to recovery. Returns the (replica, first error) pairs of the
+        replicas where a rank failed, and the replicas still in."""
         refs = {(r.index, rank): s.apply_weights.remote(kind, payload, allow_partial)
                 for r in replicas for rank, s in enumerate(r.shards)}
         errors, still_in = [], []
@@ -296,8 +387,9 @@ class ControllerWeightsMixin:
                     ray.get(refs[(replica.index, rank)])
                 except RayActorError as e:
                     died = e
-                except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
-                    errors.append(_unwrap(e))
+                except Exception as e:  # noqa: BLE001 — collected, settled by _finish_update
+                    if not failed:
+                        errors.append((replica, _unwrap(e)))
                     failed.append(rank)
             if died is not None:
                 self._replica_failed(replica.index, f"{type(died).__name__} during a weight update")

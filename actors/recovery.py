@@ -15,8 +15,9 @@ shards confirms it), the controller:
 
 With no healthy replica to copy from: if no weight update ever landed, the checkpoint is the
 latest weights and the replica is `alive`; otherwise it is `stale` — it refuses to generate and
-takes no work until the next full weight update lands (it never serves stale weights). A
-rebuild that fails leaves the replica `dead`. `controller.status()` shows each replica's state,
+takes no work until the next full weight update lands (it never serves stale weights). A weight
+update that some replicas failed leaves the others `stale` the same way (controller_weights). A
+rebuild that fails leaves the replica `dead` (its new actors and placement group removed). `controller.status()` shows each replica's state,
 restart count and last failure.
 
 A weight-sync process group (`init_weights_update_group`) does not include a rebuilt replica's
@@ -54,7 +55,12 @@ class RecoveryMixin:
     # ---- a failed part ---------------------------------------------------------------------
     def _recover_part(self, call: "_Call", part: "_Part", err: BaseException) -> None:
         """Runs in its own thread (probing and re-dispatching are blocking Ray calls)."""
-        if not self._replica_down(part.replica, err):
+        try:
+            down = self._replica_down(part.replica, err)
+        except Exception as e:  # noqa: BLE001 — e.g. shut down meanwhile: the call must still end
+            logger.warning("replica %d: could not probe it (%s); the part fails", part.replica, e)
+            down = False
+        if not down:
             self._settle(call, part, err, None)  # the request's own error: no replica failed
             return
         self._replica_failed(part.replica, _describe(err))
@@ -105,10 +111,11 @@ class RecoveryMixin:
 
     def _no_replica_error(self) -> RolloutError:
         if STALE in self._state:
+            why = sorted({self._last_failure[i] or "" for i, s in enumerate(self._state) if s == STALE})
             return EngineNotReadyError(
-                f"every live replica was rebuilt from the checkpoint after a failure while no healthy "
-                f"replica held the latest weights (version {self._weight_version}); push a full "
-                f"weight update")
+                f"no live replica holds the complete weights of version {self._weight_version} "
+                f"(stale: {'; '.join(w for w in why if w) or 'rebuilt from the checkpoint'}); push "
+                f"a full weight update")
         return ReplicaError(f"no replica is alive: {self._last_failure}")
 
     # ---- rebuilding ------------------------------------------------------------------------
@@ -129,22 +136,27 @@ class RecoveryMixin:
     def _rebuild(self, index: int) -> None:
         old = self.replicas[index]
         old.destroy(graceful=False)
+        new: Optional[Replica] = None
         try:
             new = Replica(index, self.config, old.node_id, placement_timeout_s=self._placement_timeout_s,
                           dist_timeout_s=self._dist_timeout_s)
             new.wait_ready(self._start_timeout_s)
-            with self._weights_lock:  # no weight update interleaves with the catch-up
+            # Caught up and put in service under one hold of the weights lock: an update either
+            # lands before (and the copy has it) or after (and includes this replica)
+            with self._weights_lock:
                 state = self._catch_up(new)
-            with self._cv:
-                if not self._closed:
-                    self.replicas[index], self._state[index] = new, state
-                    self._cv.notify_all()
-                    new = None
+                with self._cv:
+                    if not self._closed:
+                        self.replicas[index], self._state[index] = new, state
+                        self._cv.notify_all()
+                        new = None
             if new is not None:  # shut down meanwhile
                 new.destroy()
             logger.info("replica %d rebuilt: %s", index, state)
         except Exception as e:  # noqa: BLE001 — recorded for status(); the replica stays out
             logger.error("rebuilding replica %d failed: %s", index, e)
+            if new is not None:  # its actors and placement group would outlive it
+                _destroy_quietly(new)
             with self._cv:
                 self._state[index] = DEAD
                 self._last_failure[index] = f"rebuild failed: {type(e).__name__}: {e}"
@@ -208,6 +220,17 @@ class RecoveryMixin:
             raise errors[0]
         return ok
 
+    def _mark_stale(self, replicas: list[Replica], reason: str) -> None:
+        """These replicas do not hold the controller's weights: no work until an update lands."""
+        with self._cv:
+            for replica in replicas:
+                if self._state[replica.index] == ALIVE:
+                    self._state[replica.index] = STALE
+                    self._last_failure[replica.index] = reason
+            self._cv.notify_all()
+        if replicas:
+            logger.error("replica(s) %s stale: %s", [r.index for r in replicas], reason)
+
     def _refresh_stale(self, replicas: list[Replica]) -> None:
         """After a weight update: a stale replica whose weights are now complete is alive."""
         for replica in replicas:
@@ -217,6 +240,13 @@ class RecoveryMixin:
                 with self._cv:
                     self._state[replica.index] = ALIVE
                     self._cv.notify_all()
+
+
+def _destroy_quietly(replica: Replica) -> None:
+    try:
+        replica.destroy(graceful=False)
+    except Exception as e:  # noqa: BLE001 — the rebuild's own error is the one to report
+        logger.warning("removing the failed rebuild of replica %d: %s", replica.index, e)
 
 
 def _describe(err: BaseException) -> str:

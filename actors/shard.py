@@ -106,9 +106,10 @@ class RolloutShard:
     def check_weights(self, specs, allow_partial: bool = False) -> None:
         self.updater.validate(list(specs), allow_partial)
 
-    def precheck_weights(self, kind: str, payload) -> None:
-        """Raises now if this rank could not take the update (an IPC layout it does not hold)."""
-        self.updater.precheck(kind, payload)
+    def precheck_weights(self, kind: str, payload, allow_partial: bool = False) -> None:
+        """Raises now if this rank could not take the update (names, shapes, dtypes, a missing
+        checkpoint, an IPC layout it does not hold, no weight-sync group); changes nothing."""
+        self.updater.precheck(kind, payload, allow_partial)
 
     def apply_weights(self, kind: str, payload, allow_partial: bool = False) -> int:
         """Load an update into this rank's shard (the leader is paused by the controller)."""
@@ -119,10 +120,10 @@ class RolloutShard:
         """A replica of one rank: pause → load → commit → resume in one call."""
         t0 = time.perf_counter()
         payload = _fetched(kind, payload)
-        self.updater.precheck(kind, payload)  # an unknown IPC layout fails before the pause
         try:
             return self._leader().update_weights(
-                lambda: apply_update(self.updater, kind, payload, allow_partial), version, pause_mode)
+                lambda: apply_update(self.updater, kind, payload, allow_partial), version, pause_mode,
+                lambda: self.updater.precheck(kind, payload, allow_partial))  # before the pause
         finally:
             self._last_call_s = time.perf_counter() - t0
 

@@ -20,7 +20,8 @@ from rollout.model_runner import ModelRunner
 from rollout.outputs import GenerateOutput
 from rollout.progress import progress_bar
 from rollout.request import Request
-from rollout.request_builder import ParamsArg, Prompt, PromptLimits, RequestBuilder, optional_tokenizer
+from rollout.request_builder import (ParamsArg, Prompt, PromptLimits, RequestBuilder, check_prompt_list,
+                                     optional_tokenizer)
 from rollout.sampler import SampleOutput
 from rollout.scheduler import Scheduler, SchedulerLimits
 from rollout.step_gate import StepGate
@@ -49,6 +50,7 @@ class Engine(EngineWeightsMixin):
         self._lock = threading.Lock()  # one generation at a time
         self._weights_lock = threading.RLock()  # weight updates vs. release/resume of memory
         self.gate = StepGate()
+        self._owner: Optional[int] = None  # the thread whose call holds the engine
         self.updater = WeightUpdater(self.runner, check_finite=config.check_finite)
 
     def _make_scheduler(self) -> Scheduler:
@@ -77,11 +79,17 @@ class Engine(EngineWeightsMixin):
         """Last-token logits [len(prompts), vocab] (float32, CPU) of a fresh prefill of each
         prompt: what a trainer compares against its own model after a weight update."""
         self._check_ready()
+        self._check_not_reentered()
+        check_prompt_list(prompts)
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
         with self._lock, self.gate.step():
             self._check_ready()  # memory may have been released meanwhile
             alloc = self.scheduler.alloc
+            if len(ids) > alloc.num_free_rows:
+                raise KVCacheBudgetError(f"{len(ids)} prompts at once; the engine has "
+                                         f"{alloc.num_free_rows} request rows free")
             rows = [alloc.alloc_row() for _ in ids]
+            fb = None
             try:
                 fb = build_batch(ForwardMode.EXTEND, rows, ids, [0] * len(ids), alloc, self.runner.device)
                 if fb is None:
@@ -107,6 +115,7 @@ class Engine(EngineWeightsMixin):
         if unknown:
             raise InvalidRequestError(f"unknown generate() argument(s) {sorted(unknown)}")
         self._check_ready()
+        self._check_not_reentered()
         reqs = self._requests.build(prompts, sampling_params)
         return self._run(reqs, self.config.show_progress if progress is None else progress)
 
@@ -116,29 +125,63 @@ class Engine(EngineWeightsMixin):
         return await asyncio.to_thread(self.generate, prompts, sampling_params, **kw)
 
     def _run(self, reqs: list[Request], show: bool) -> Iterator[GenerateOutput]:
+        """One call's requests, step by step. The loop's test and each step run inside the
+        gate, serialized with a pause or an abort from another thread. If the call ends early —
+        a step raised, or the caller closed (or dropped) the iterator — its requests are dropped
+        with their KV, so nothing of it reaches the next call."""
         with self._lock:
             self._check_ready()  # memory may have been released meanwhile
-            for r in reqs:
-                self.scheduler.add(r)
-            with progress_bar(len(reqs), show) as bar:
-                try:
-                    while self.scheduler.has_work or self.scheduler.finished_pending:
+            self._owner = threading.get_ident()
+            scheduler, complete = self.scheduler, False
+            try:
+                with self.gate.step():
+                    for r in reqs:
+                        scheduler.add(r)
+                with progress_bar(len(reqs), show) as bar:
+                    while True:
                         with self.gate.step():
-                            finished = self.scheduler.step()
+                            if not (scheduler.has_work or scheduler.finished_pending):
+                                break
+                            finished = scheduler.step()
+                            if not finished and scheduler.stuck:
+                                raise KVCacheBudgetError(_stuck_message(scheduler))
                         if finished:
                             self.runner.release_cpu_threads()  # the caller runs between yields
                         for req in finished:
                             bar.update(1)
                             yield self._output(req)
-                finally:
+                complete = True
+            finally:
+                if not complete:
+                    self._drop_call(scheduler)
+                self._owner = None
+                if self.runner is not None:
                     self.runner.release_cpu_threads()
+
+    def _drop_call(self, scheduler: Scheduler) -> None:
+        with self.gate.step():
+            dropped = scheduler.reset()
+        if dropped:
+            logger.warning("a generate call ended early (an error, or its iterator was closed): "
+                           "%d unfinished request(s) dropped with their KV", len(dropped))
+
+    def _check_not_reentered(self) -> None:
+        """A thread cannot start a call while its own generate_iter is suspended mid-way (it
+        holds the engine: waiting for it would never end)."""
+        if self._owner == threading.get_ident():
+            raise InvalidRequestError("this thread's generate_iter on this engine is still open: "
+                                      "exhaust or close it before another call")
 
     def _output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
         return GenerateOutput.from_request(req, self.weight_version, text)
 
     def abort(self, rid: int) -> bool:
-        return self.scheduler.abort(rid) is not None
+        """End request `rid` (the scheduler's id) now: it returns with the tokens it has,
+        finish_reason "abort". Safe from any thread: it runs between two steps. False if no
+        unfinished request has that id."""
+        with self.gate.exclusive():
+            return self.scheduler.abort(rid) is not None
 
     def _check_ready(self) -> None:
         if self.runner is None:
@@ -156,6 +199,7 @@ class Engine(EngineWeightsMixin):
         Waits for a running generate() to end; until resume_memory, generate() raises
         EngineNotReadyError. Released weights come back undefined, so from here on the engine
         refuses to generate until a full weight update lands (release → train → resume → push)."""
+        self._check_not_reentered()
         with self._lock, self._weights_lock:
             self.runner.release_memory(tags)
             if "weights" in self.runner.released:
@@ -167,7 +211,8 @@ class Engine(EngineWeightsMixin):
             self.runner.resume_memory(tags)
 
     def shutdown(self) -> None:
-        self.scheduler.abort_all()
+        with self.gate.exclusive():
+            self.scheduler.abort_all()
         self.runner = None  # frees weights and KV pools once no one else holds them
 
     def __enter__(self) -> "Engine":
@@ -175,3 +220,10 @@ class Engine(EngineWeightsMixin):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _stuck_message(scheduler: Scheduler) -> str:
+    head = scheduler.waiting[0]
+    return (f"request {head.rid} ({head.length} tokens) cannot be admitted: {scheduler.alloc.num_free_slots} "
+            f"KV slots and {scheduler.alloc.num_free_rows} rows are free with nothing running "
+            "(KV was lost on an earlier failure); the call's requests were dropped")

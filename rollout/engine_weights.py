@@ -11,12 +11,14 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from rollout.errors import ConfigError, WeightUpdateError
+from rollout.config import PAUSE_MODES
+from rollout.errors import ConfigError
 from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
 from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
 from weight_sync.spec import TensorSpec
+from weight_sync.version import next_version
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -43,12 +45,12 @@ class EngineWeightsMixin:
         if weights and not isinstance(weights[0], Bucket):
             weights = pack_buckets(weights, device=torch.device("cpu")) if weights else []
         return self.update_weights(lambda: self.updater.from_buckets(weights, allow_partial), version,
-                                   pause_mode)
+                                   pause_mode, self._precheck("tensor", weights, allow_partial))
 
     def update_weights_from_disk(self, path: Union[str, Path], *, version: Optional[int] = None,
                                  allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
         return self.update_weights(lambda: self.updater.from_disk(path, allow_partial), version,
-                                   pause_mode)
+                                   pause_mode, self._precheck("disk", path, allow_partial))
 
     def update_weights_from_ipc(self, handles: Union[IpcLayout, IpcLayoutRef, Sequence[IpcHandle]], *,
                                 version: Optional[int] = None, allow_partial: bool = False,
@@ -56,9 +58,8 @@ class EngineWeightsMixin:
         """`handles`: a registered layout (`IpcLayout`, opened and planned once), a push of one
         (`IpcLayoutRef`: the trainer's tensors hold the new values; an unknown id raises
         `IpcLayoutUnknownError` before generation is paused), or per-push bucket handles."""
-        self.updater.precheck("ipc", handles)
         return self.update_weights(lambda: self.updater.from_ipc(handles, allow_partial), version,
-                                   pause_mode)
+                                   pause_mode, self._precheck("ipc", handles, allow_partial))
 
     def drop_ipc_layouts(self, layout_ids: Optional[Sequence[str]] = None) -> None:
         """Close registered IPC layouts (all when None): the trainer's memory is unmapped."""
@@ -87,23 +88,29 @@ class EngineWeightsMixin:
                                         allow_partial: bool = False,
                                         pause_mode: Optional[str] = None) -> int:
         return self.update_weights(lambda: self.updater.from_distributed(manifest, allow_partial),
-                                   version, pause_mode)
+                                   version, pause_mode, self._precheck("distributed", manifest,
+                                                                       allow_partial))
 
     # ---- pause → update → resume --------------------------------------------------------------
     def update_weights(self, load: Callable[[], int], version: Optional[int] = None,
-                       pause_mode: Optional[str] = None) -> int:
-        """pause → `load()` → commit the new version → resume; returns the version. The seconds
-        of each phase are kept in `last_update_phases`."""
+                       pause_mode: Optional[str] = None,
+                       precheck: Optional[Callable[[], None]] = None) -> int:
+        """`precheck()` → pause → `load()` → commit the new version → resume; returns the
+        version. What `precheck` (and the arguments' checks) reject fails before generation
+        pauses. The seconds of each phase are kept in `last_update_phases`."""
         with self._weights_lock:  # never while release_memory/resume_memory reshape the weights
-            new_version = self.weight_version + 1 if version is None else int(version)
+            new_version = next_version(self.weight_version, version)
+            _check_pause_mode(pause_mode)
+            if precheck is not None:
+                precheck()
             t0 = time.perf_counter()
             self.pause_generation(pause_mode)
             t1 = time.perf_counter()
             try:
                 load()
                 self.commit_weight_version(new_version)
-            except WeightUpdateError:
-                self.abort_if_incomplete()
+            except Exception:
+                self.abort_if_incomplete()  # a shard left holding a mix serves nothing more
                 raise
             finally:
                 t2 = time.perf_counter()
@@ -117,14 +124,17 @@ class EngineWeightsMixin:
         """Stop generation at a step boundary; in-flight requests are aborted, retracted (KV
         recomputed later under the new weights) or kept (`in_place`) by `pause_mode`."""
         mode = pause_mode or self.config.pause_mode
-        if mode not in ("abort", "retract", "in_place"):
-            raise ConfigError(f"pause_mode must be abort, retract or in_place, got {mode!r}")
+        _check_pause_mode(mode)
         self.gate.pause()
-        self.scheduler.drain()  # the step in flight finishes under the weights it started with
-        if mode == "abort":
-            self.scheduler.abort_all()
-        elif mode == "retract":
-            self.scheduler.retract_all()
+        try:
+            self.scheduler.drain()  # the step in flight finishes under the weights it started with
+            if mode == "abort":
+                self.scheduler.abort_all()
+            elif mode == "retract":
+                self.scheduler.retract_all()
+        except BaseException:  # not left paused: the generate loop would wait forever
+            self.gate.resume()
+            raise
 
     def resume_generation(self) -> None:
         self.gate.resume()
@@ -138,6 +148,9 @@ class EngineWeightsMixin:
         if self.updater.incomplete_reason is not None:
             self.scheduler.abort_all()
 
+    def _precheck(self, kind: str, payload, allow_partial: bool) -> Callable[[], None]:
+        return lambda: self.updater.precheck(kind, payload, allow_partial)
+
     @contextlib.contextmanager
     def paused(self, pause_mode: Optional[str] = None) -> Iterator[None]:
         self.pause_generation(pause_mode)
@@ -145,3 +158,8 @@ class EngineWeightsMixin:
             yield
         finally:
             self.resume_generation()
+
+
+def _check_pause_mode(mode: Optional[str]) -> None:
+    if mode is not None and mode not in PAUSE_MODES:
+        raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {mode!r}")

@@ -27,6 +27,13 @@ class KVAllocator:
         self._num_released = 0
         self.table = np.zeros((num_req_slots, max_context), dtype=np.int64)
 
+    def reset(self) -> None:
+        """Every row and slot free again (the state it was made in): after a call failed or was
+        abandoned, when no request holds any."""
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+        self._free_slots = np.arange(1, self.capacity + 1, dtype=np.int64)
+        self._released, self._num_released = [], 0
+
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots) + self._num_released

@@ -40,6 +40,8 @@ class RequestBuilder:
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
         check_prompt_list(prompts)
         per_prompt = params_list(params, len(prompts))
+        for sp in {id(sp): sp for sp in per_prompt}.values():
+            sp.check_for_model(self.limits.vocab_size)
         ids, arrays = self._encode_all(prompts)
         groups = prompt_groups(arrays, per_prompt) if self.share_prompt_kv else [None] * len(ids)
         return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))

@@ -96,7 +96,7 @@ def _packed_views(buf: Union[np.ndarray, torch.Tensor], b: int) -> dict:
 
 def _columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, list]:
     """The packed fields but the uniforms, one entry per row of `params`."""
-    return dict(top_ks=[p.top_k if p.top_k > 0 else vocab_size for p in params],
+    return dict(top_ks=[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                 temperatures=[p.temperature if p.temperature > 0 else 1.0 for p in params],
                 top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
                 greedy=[p.is_greedy for p in params])

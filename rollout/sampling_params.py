@@ -9,6 +9,11 @@ from typing import Any, Optional
 from rollout.errors import InvalidRequestError
 
 
+# Below this a temperature is 0 in the sampler's float32 (or its logits / T overflow): say so
+# rather than sample from NaNs. Greedy is temperature 0.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -27,8 +32,9 @@ class SamplingParams:
         _int_at_least("n", self.n, 1)
         _int_at_least("logprobs", self.logprobs, 0)
         _finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                      f"got {self.temperature}")
         _finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -37,11 +43,18 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1), got {self.min_p}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self.stop_token_ids = _id_tuple(self.stop_token_ids)
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model (and, as the fields can be assigned after creation, the
+        field checks again): raised before a request is built from these params."""
+        self.__post_init__()
+        if self.logprobs > vocab_size:
+            raise InvalidRequestError(f"logprobs={self.logprobs}: the vocabulary has {vocab_size} tokens")
 
     @property
     def is_greedy(self) -> bool:

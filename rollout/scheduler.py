@@ -78,8 +78,34 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._inflight)
 
+    @property
+    def stuck(self) -> bool:
+        """Requests wait but none runs or is in flight, so a step admitted nothing: the head of
+        the queue cannot fit the whole KV pool (validation rules that out, so KV has leaked)."""
+        return bool(self.waiting) and not self.running and self._inflight is None
+
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def reset(self) -> list[Request]:
+        """Drop every request, after the call that owns them failed or was abandoned: the step in
+        flight is waited for (its kernels write KV slots), every row and slot is free again and
+        nothing of that call reaches the next one. Returns the requests dropped (aborted)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            try:
+                step.wait()
+            except Exception as e:  # noqa: BLE001 — the failure being cleaned up, most likely
+                logger.warning("the step in flight failed while its call was dropped: %s", e)
+        dropped = self.running + list(self.waiting)
+        for req in dropped:
+            if req.finish_reason is None:
+                req.finish_reason = "abort"
+            req.row, req.kv_allocated, req.shared_len, req.pending = None, 0, 0, 0
+        self.running, self.waiting, self.finished_pending = [], deque(), []
+        self._info_key, self._info = None, None
+        self.alloc.reset()
+        return dropped
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -303,7 +329,9 @@ class Scheduler:
     def abort(self, rid: int) -> Optional[Request]:
         for req in list(self.running) + list(self.waiting):
             if req.rid == rid:
-                return self._abort(req)
+                if req.row is not None:
+                    self.drain()  # the step in flight may still write its KV slots
+                return self._abort(req) if req.finish_reason is None else None
         return None
 
     def abort_all(self) -> list[Request]:

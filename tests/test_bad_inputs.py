@@ -83,6 +83,16 @@ def _sampling(**bad):
     return call
 
 
+def _assigned_after_creation(**bad):
+    """SamplingParams are plain dataclasses: a field set after creation is checked at generate."""
+    def call(c):
+        sp = SamplingParams(max_new_tokens=4)
+        for name, value in bad.items():
+            setattr(sp, name, value)
+        c.engine.generate([[5, 6]], sp)
+    return call
+
+
 def _config(**bad):
     return lambda c: EngineConfig(model_path=str(c.model_dir), **bad)
 
@@ -188,6 +198,8 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
         _gen([[1], [2]], [PROBE_PARAMS[0]]), InvalidRequestError, "1 sampling params for 2 prompts"),
     "generate: params of a wrong type": (
         _gen([[1]], 5), InvalidRequestError, "sampling_params must be SamplingParams"),
+    "generate: prefill_logits of more prompts than request rows": (
+        lambda c: c.engine.prefill_logits([[5]] * 300), KVCacheBudgetError, "300 prompts at once"),
     "generate: unknown keyword": (
         _gen([[1]], temprature=1.0), InvalidRequestError, "unknown generate.. argument.*temprature"),
     # SamplingParams
@@ -196,7 +208,15 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
     "sampling: temperature inf": (
         _sampling(temperature=INF), InvalidRequestError, "temperature must be a finite number, got inf"),
     "sampling: negative temperature": (
-        _sampling(temperature=-0.5), InvalidRequestError, "temperature must be >= 0"),
+        _sampling(temperature=-0.5), InvalidRequestError, r"temperature must be 0 \(greedy\) or at least"),
+    "sampling: temperature 0 in float32": (
+        _sampling(temperature=1e-300), InvalidRequestError, "or at least 1e-05, got 1e-300"),
+    "sampling: seed past 64 bits": (_sampling(seed=2**64), InvalidRequestError, r"seed must be an int in"),
+    "sampling: logprobs over the vocabulary": (
+        _gen([[5, 6]], SamplingParams(max_new_tokens=2, logprobs=600)), InvalidRequestError,
+        "logprobs=600: the vocabulary has 512 tokens"),
+    "sampling: field set after creation": (
+        _assigned_after_creation(top_p=0.0), InvalidRequestError, r"top_p must be in \(0, 1\]"),
     "sampling: top_p -inf": (_sampling(top_p=-INF), InvalidRequestError, "top_p must be a finite number"),
     "sampling: top_p 0": (_sampling(top_p=0.0), InvalidRequestError, r"top_p must be in \(0, 1\]"),
     "sampling: min_p NaN": (_sampling(min_p=NAN), InvalidRequestError, "min_p must be a finite number"),
@@ -291,8 +311,17 @@ CASES: dict[str, tuple[Callable[[Ctx], Any], type[Exception], str]] = {
         "bucket data is torch.float32 x .*, its metadata says"),
     "update: unknown pause_mode": (
         lambda c: c.engine.update_weights_from_tensor(c.weights(), pause_mode="later"), ConfigError,
-        "pause_mode must be abort, retract or in_place"),
+        "pause_mode must be one of"),
     "update: broadcast without a group": (_no_group, WeightUpdateError, "no weight-sync group"),
+    "update: float8 tensor": (
+        _tensor(_replace(NORM, lambda t: t.to(torch.float8_e4m3fn))), WeightUpdateError,
+        "'model.norm.weight' has dtype torch.float8_e4m3fn, which weight sync does not carry"),
+    "update: version not an int": (
+        lambda c: c.engine.update_weights_from_tensor(c.weights(), version="3"), WeightUpdateError,
+        "version must be a non-negative int"),
+    "update: negative version": (
+        lambda c: c.engine.update_weights_from_tensor(c.weights(), version=-7), WeightUpdateError,
+        "version must be a non-negative int"),
     "update: IPC handle from another host": (_other_host_ipc, WeightUpdateError, "another host"),
 }
 

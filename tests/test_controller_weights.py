@@ -173,3 +173,55 @@ def test_trainer_killed_mid_broadcast(ctl, trainer, tiny_dirs):
     version = ctl.update_weights_from_tensor(list(trainer.named_parameters()))
     assert (ctl.prefill_logits(PROMPTS) - hf_logits(trainer)).abs().max() <= 1e-5
     assert ctl.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_weight_versions == [version] * 2
+
+
+def test_an_update_some_replicas_fail_leaves_every_serving_replica_on_one_version(ctl, trainer):
+    """Replica 1 lost the registered layout (as a rebuilt one): over the push channels replica
+    0 takes the push and replica 1 refuses it. The controller keeps its version; replica 0, which
+    holds weights it does not serve, goes stale until a complete update lands, so every sample
+    comes from replica 1's (the old) weights. Over Ray the precheck stops such a push before any
+    replica pauses: nothing changes anywhere."""
+    import ray
+    from weight_sync.ipc_layout import IpcLayoutUnknownError
+    if ctl.replicas[0].tp_size != 1:
+        pytest.skip("needs two single-rank replicas")
+    sender = WeightSender(ctl, "ipc", bucket_bytes=64 << 10)
+    sender.push(trainer.named_parameters())
+    version, before = ctl.weight_version, ctl.prefill_logits(PROMPTS, 1)
+    ref = sender._ipc.current.layout.ref
+    ray.get(ctl.replicas[1].leader.drop_ipc_layouts.remote())
+    perturb(trainer, seed=45)
+    sender._ipc.prepare([(n, p.detach()) for n, p in trainer.named_parameters()], False)
+
+    ctl.use_push_channels = False  # the Ray path: the precheck on every shard
+    try:
+        with pytest.raises(IpcLayoutUnknownError, match="not registered here"):
+            ctl.update_weights_from_ipc(ref)
+    finally:
+        ctl.use_push_channels = True
+    assert ctl.weight_version == version and [r["state"] for r in ctl.status()] == ["alive"] * 2
+    assert torch.equal(ctl.prefill_logits(PROMPTS, 0), before)
+
+    with pytest.raises(IpcLayoutUnknownError, match="not registered here"):
+        ctl.update_weights_from_ipc(ref)  # the channels: replica 0 loads before 1 answers
+    assert ctl.last_ipc_path == "channel" and ctl.weight_version == version
+    states = {r["index"]: r for r in ctl.status()}
+    assert states[0]["state"] == "stale" and "failed on replica(s) [1]" in states[0]["last_failure"]
+    assert states[1]["state"] == "alive"
+    outs = ctl.generate([[1, 2, 3]] * 8, SamplingParams(max_new_tokens=2))
+    assert all(o.token_weight_versions == [version] * 2 for o in outs)  # replica 1 only
+    assert torch.equal(ctl.prefill_logits(PROMPTS, 1), before)
+
+    assert sender.push(trainer.named_parameters()) == version + 1 == ctl.weight_version
+    assert [r["state"] for r in ctl.status()] == ["alive"] * 2
+    for replica in range(2):
+        assert (ctl.prefill_logits(PROMPTS, replica) - hf_logits(trainer)).abs().max() <= 1e-5
+    sender.close()
+
+
+def test_explicit_versions_are_checked_before_anything_moves(ctl, trainer):
+    version = ctl.weight_version
+    for bad in ("7", True, -1, 2.0):
+        with pytest.raises(WeightUpdateError, match="version must be a non-negative int"):
+            ctl.update_weights_from_tensor(list(trainer.named_parameters()), version=bad)
+    assert ctl.weight_version == version

@@ -179,3 +179,21 @@ def test_push_passes_pause_mode(setup):
         sender.push(trainer.named_parameters(), pause_mode="later")
     assert engine.weight_version == 0
     assert sender.push(trainer.named_parameters(), pause_mode="abort") == 1
+
+
+def test_a_failed_checkpoint_write_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """The disk sender writes a sibling and renames it into place; a write that fails (a full
+    disk) removes the sibling, and the checkpoint already there stays as it was."""
+    from weight_sync import disk
+    weights = [("a", torch.ones(4)), ("b", torch.zeros(2))]
+    out = disk.save_atomic(weights, tmp_path / "ckpt")
+    before = (out / "model.safetensors").read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        disk.save_atomic([("a", torch.full((4,), 2.0))], tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (out / "model.safetensors").read_bytes() == before

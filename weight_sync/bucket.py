@@ -21,7 +21,10 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, tor
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise WeightUpdateError(f"dtype {name} is not one weight sync carries: {sorted(_DTYPES)}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET
     than that gets a bucket of its own)."""
     by_dtype: dict[torch.dtype, list[TensorSpec]] = {}
     for s in specs:
+        if str(s.dtype) not in _DTYPES:
+            raise WeightUpdateError(f"tensor {s.name!r} has dtype {s.dtype}, which weight sync does "
+                                    f"not carry: {sorted(_DTYPES)}")
         by_dtype.setdefault(s.dtype, []).append(s)
     metas = []
     for dtype, group in by_dtype.items():

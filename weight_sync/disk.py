@@ -50,11 +50,15 @@ def save_atomic(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    shards = _shard(named, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        _save_sharded(shards, tmp)
+    try:
+        shards = _shard(named, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            _save_sharded(shards, tmp)
+    except BaseException:  # a full disk, a bad tensor: no half-written sibling left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -121,10 +121,35 @@ class WeightUpdater:
             raise WeightUpdateError(self.incomplete_reason) from e
         return self._done(count, allow_partial)
 
-    def precheck(self, kind: str, payload) -> None:
-        """Before pausing generation: a push of a layout this shard does not hold fails now."""
-        if kind == "ipc" and isinstance(payload, IpcLayoutRef):
-            self.ipc_layouts.get(payload, allow_partial=True)
+    def precheck(self, kind: str, payload, allow_partial: bool = False) -> None:
+        """What can be checked before generation pauses, without moving the update's bytes or
+        writing anything: names, shapes and dtypes against this shard's parameter table, that the
+        checkpoint is there, that a pushed IPC layout is registered here, that a broadcast has a
+        group. A bad update fails here, so no in-flight request is paused or aborted for it.
+        Tensor payloads may be Buckets or (BucketMeta, anything) pairs (a controller's, whose
+        bytes are still in the object store)."""
+        if kind == "tensor":
+            metas = [b.meta if isinstance(b, Bucket) else b[0] for b in payload]
+            self.validate([s for m in metas for s in m.specs()], allow_partial)
+        elif kind == "disk":
+            specs = checkpoint.read_specs(checkpoint.checkpoint_files(payload))
+            self.validate(specs, allow_partial, exact_dtype=False)
+        elif kind == "ipc":
+            if isinstance(payload, IpcLayoutRef):
+                self.ipc_layouts.get(payload, allow_partial)
+            elif isinstance(payload, IpcLayout):
+                self.validate(list(payload.specs), allow_partial)
+            else:
+                self.validate([s for h in payload for s in h.meta.specs()], allow_partial)
+        elif kind == "distributed":
+            self._require_group()
+            self.validate(payload.specs(), allow_partial)
+        else:
+            raise WeightUpdateError(f"update kind must be one of {UPDATE_KINDS}, got {kind!r}")
+
+    def _require_group(self) -> None:
+        if self.group is None:
+            raise WeightUpdateError("no weight-sync group: call init_weights_update_group first")
 
     def join_group(self, addr: GroupAddress, rank: int) -> None:
         if self.group is not None:
@@ -141,8 +166,7 @@ class WeightUpdater:
 
     def from_distributed(self, manifest: UpdateManifest, allow_partial: bool = False) -> int:
         """Receive each bucket by broadcast from the trainer (rank 0), check it, load it."""
-        if self.group is None:
-            raise WeightUpdateError("no weight-sync group: call init_weights_update_group first")
+        self._require_group()
         self.validate(manifest.specs(), allow_partial)
         self._begin(allow_partial)
         count, buckets, i = 0, manifest.buckets, 0
@@ -154,7 +178,8 @@ class WeightUpdater:
                 pending = self._receive(buckets[i + 1]) if i + 1 < len(buckets) else None
                 self._check_bytes(meta, flat)
                 count += self.target.load_weights(views(meta, flat))
-        except (WeightSyncGroupError, WeightUpdateError) as e:
+        except Exception as e:  # noqa: BLE001 — the trainer died, a bucket was bad, or a copy or
+            # an allocation failed: the shard may hold a mix either way, so say so and refuse
             self._fail(f"broadcast update stopped at bucket {i + 1}/{len(manifest.buckets)}: {e}")
             raise WeightUpdateError(self.incomplete_reason) from e
         return self._done(count, allow_partial)

@@ -1,0 +1,231 @@
+"""Spec: no request lost, no hang, nothing of one call leaking into the next — on the paths where
+a call does not end normally. A step that raises, an iterator closed half-way, an abort from
+another thread, KV that went missing, a pause that fails, a bad update while requests generate:
+afterwards the engine's KV pool is whole again and its next call returns exactly what a fresh
+engine returns (overlap scheduling on and off)."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from rollout import (Engine, EngineConfig, InvalidRequestError, KVCacheBudgetError, SamplingParams,
+                     WeightUpdateError)
+from tests.helpers import hf_model
+from tests.test_weight_sync import perturb
+
+ARCH = "Qwen2ForCausalLM"
+PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21], [30, 31, 32]]
+SP = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+NEXT = [[40, 41, 42]]
+
+
+def _engine(tiny_dirs, overlap: bool, **cfg) -> Engine:
+    return Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=256, overlap_schedule=overlap,
+                               **cfg))
+
+
+def _tokens(outs) -> list[tuple[int, list[int]]]:
+    return [(o.prompt_index, o.token_ids) for o in outs]
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "overlap"])
+def overlap(request) -> bool:
+    return request.param
+
+
+@pytest.fixture()
+def reference(tiny_dirs, overlap):
+    """What a fresh engine returns for the next call."""
+    return _tokens(_engine(tiny_dirs, overlap).generate(NEXT, SP))
+
+
+@contextmanager
+def _fails_within(seconds: int):
+    """A hang fails the test (SIGALRM interrupts a blocked lock or a spinning loop) instead of
+    stalling the suite."""
+    def alarm(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _whole(engine: Engine) -> bool:
+    """Every KV slot and request row free, no request left anywhere."""
+    s, alloc = engine.scheduler, engine.scheduler.alloc
+    return (alloc.num_free_slots == alloc.capacity and alloc.num_free_rows == alloc.table.shape[0]
+            and not s.has_work and not s.finished_pending)
+
+
+def test_a_step_that_raises_leaves_nothing_behind(tiny_dirs, overlap, reference):
+    engine = _engine(tiny_dirs, overlap)
+    run_batch, calls = engine.scheduler.run_batch, []
+
+    def failing(fb):  # the third step raises (a device error, a kernel bug)
+        calls.append(fb)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return run_batch(fb)
+
+    engine.scheduler.run_batch = failing
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        engine.generate(PROMPTS, SP)
+    engine.scheduler.run_batch = run_batch
+    assert _whole(engine)
+    assert _tokens(engine.generate(NEXT, SP)) == reference
+
+
+def test_an_iterator_closed_half_way_leaves_nothing_behind(tiny_dirs, overlap, reference):
+    engine = _engine(tiny_dirs, overlap)
+    it = engine.generate_iter(PROMPTS, [SamplingParams(max_new_tokens=1 + 4 * i, seed=i, ignore_eos=True)
+                                        for i in range(len(PROMPTS))])
+    first = next(it)
+    assert first.prompt_index == 0 and len(first.token_ids) == 1
+    it.close()
+    assert _whole(engine)
+    assert _tokens(engine.generate(NEXT, SP)) == reference  # only its own output
+
+
+def test_a_call_from_the_thread_of_an_open_iterator_raises_instead_of_hanging(tiny_dirs, overlap):
+    engine = _engine(tiny_dirs, overlap)
+    it = engine.generate_iter(PROMPTS, SP)
+    next(it)
+    for call in (lambda: engine.generate(NEXT, SP), lambda: engine.prefill_logits(NEXT),
+                 lambda: engine.release_memory()):
+        with _fails_within(20), pytest.raises(InvalidRequestError,
+                                              match="generate_iter on this engine is still open"):
+            call()
+    rest = list(it)  # the open call goes on unharmed
+    assert len(rest) == len(PROMPTS) - 1 and all(len(o.token_ids) == 6 for o in rest)
+    assert engine.generate(NEXT, SP)[0].finish_reason == "length"
+
+
+def test_aborts_from_another_thread_lose_no_request_and_leak_no_kv(tiny_dirs, overlap):
+    engine = _engine(tiny_dirs, overlap)
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1, ignore_eos=True)
+    for call in range(10):
+        started = threading.Event()
+        rids: list[int] = []
+
+        def aborter():  # spread over the call's steps, racing them
+            started.wait(timeout=30)
+            for rid in rids[1::2]:
+                engine.abort(rid)
+                time.sleep(0.002)
+
+        worker = threading.Thread(target=aborter)
+        worker.start()
+        outs = []
+        params = [SamplingParams(max_new_tokens=1, seed=1)] + [sp] * (len(PROMPTS) * 2 - 1)
+        for out in engine.generate_iter(PROMPTS * 2, params):  # the first output comes at once
+            outs.append(out)
+            if not started.is_set():  # between two steps: the unfinished requests' ids
+                s = engine.scheduler
+                rids.extend(r.rid for r in s.running + list(s.waiting))
+                started.set()
+        worker.join(timeout=30)
+        assert sorted(o.prompt_index for o in outs) == list(range(len(PROMPTS) * 2))
+        assert all(o.finish_reason in ("length", "abort") for o in outs)
+        assert all(len(o.token_ids) == (1 if o.prompt_index == 0 else 24)
+                   for o in outs if o.finish_reason == "length")
+        assert any(o.finish_reason == "abort" for o in outs)
+        assert _whole(engine), f"call {call}"
+
+
+def test_lost_kv_raises_instead_of_spinning_and_the_engine_recovers(tiny_dirs, overlap, reference):
+    engine = _engine(tiny_dirs, overlap)
+    alloc = engine.scheduler.alloc
+    alloc._take(alloc.capacity - 2)  # slots no request records: lost
+    with _fails_within(20), pytest.raises(KVCacheBudgetError, match="cannot be admitted"):
+        engine.generate(NEXT, SP)
+    assert _whole(engine)  # the pool was made whole again
+    assert _tokens(engine.generate(NEXT, SP)) == reference
+
+
+def test_a_pause_that_fails_does_not_leave_generation_paused(tiny_dirs, overlap, reference):
+    engine = _engine(tiny_dirs, overlap)
+    drain = engine.scheduler.drain
+
+    def failing_drain():
+        raise RuntimeError("injected drain failure")
+
+    engine.scheduler.drain = failing_drain
+    with pytest.raises(RuntimeError, match="injected drain failure"):
+        engine.update_weights_from_tensor(list(hf_model(tiny_dirs[ARCH]).named_parameters()))
+    engine.scheduler.drain = drain
+    assert not engine.gate.paused
+    assert _tokens(engine.generate(NEXT, SP)) == reference
+
+
+def test_a_bad_update_does_not_touch_requests_in_flight(tiny_dirs):
+    """Validation runs before the pause: with pause_mode="abort" a malformed update would
+    otherwise end every in-flight request."""
+    engine = _engine(tiny_dirs, True, pause_mode="abort")
+    trainer = hf_model(tiny_dirs[ARCH])
+    bad = [(n, p.detach()[..., :-1] if n == "model.norm.weight" else p.detach())
+           for n, p in trainer.named_parameters()]
+    sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    errors, outs = [], []
+
+    def update_when_running():
+        while engine.stats.steps < 3:
+            pass
+        try:
+            engine.update_weights_from_tensor(bad)
+        except WeightUpdateError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=update_when_running)
+    worker.start()
+    outs = engine.generate(PROMPTS * 4, sp)
+    worker.join(timeout=60)
+    assert errors and "has shape" in str(errors[0])
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 32 for o in outs)
+    assert engine.weight_version == 0
+
+
+def test_an_unexpected_error_mid_broadcast_leaves_the_engine_refusing(tiny_dirs, monkeypatch):
+    """Not only the typed failures (a trainer that died): any error after the first write leaves
+    a mix of versions, so the update fails typed and the engine refuses until a full update."""
+    from weight_sync.bucket import UpdateManifest, pack_buckets
+    engine = _engine(tiny_dirs, False)
+    trainer = hf_model(tiny_dirs[ARCH])
+    perturb(trainer, seed=5)
+    buckets = pack_buckets(list(trainer.named_parameters()), bucket_bytes=64 << 10)
+    assert len(buckets) > 2
+
+    class FakeGroup:  # hands the buckets over as a broadcast would
+        def __init__(self):
+            self.i = 0
+
+        def broadcast_async(self, flat, src):
+            flat.copy_(buckets[self.i].flat)
+            self.i += 1
+            return type("Done", (), {"wait": lambda _self, f=flat: f})()
+
+    load, calls = engine.runner.load_weights, []
+
+    def failing_load(weights):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("injected allocation failure")
+        return load(weights)
+
+    engine.updater.group = FakeGroup()
+    monkeypatch.setattr(engine.runner, "load_weights", failing_load)
+    with pytest.raises(WeightUpdateError, match="stopped at bucket 2/.*injected allocation failure"):
+        engine.update_weights_from_distributed(UpdateManifest([b.meta for b in buckets]))
+    with pytest.raises(Exception, match="incomplete"):
+        engine.generate(NEXT, SP)
+    monkeypatch.setattr(engine.runner, "load_weights", load)
+    engine.updater.group = None
+    engine.update_weights_from_tensor(list(trainer.named_parameters()))
+    assert engine.generate(NEXT, SP)[0].token_weight_versions == [1] * 6

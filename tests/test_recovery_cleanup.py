@@ -1,0 +1,44 @@
+"""Spec: a replica rebuild that fails after its new actors and placement group exist removes
+them (CPU, local Ray): the replica is `dead`, the call that found the failure still returns every
+sample, and nothing of the failed rebuild holds the cluster's resources."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from actors import RolloutController
+from rollout import EngineConfig, SamplingParams
+from tests.ray_helpers import local_ray
+
+pytestmark = pytest.mark.ray
+ARCH = "LlamaForCausalLM"
+
+
+def _live_groups() -> int:
+    return sum(1 for g in placement_group_table().values() if g["state"] != "REMOVED")
+
+
+def test_a_rebuild_that_fails_leaves_no_placement_group(tiny_dirs):
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=1024)
+        with RolloutController(cfg, num_replicas=2, start_timeout_s=120) as ctl:
+            assert _live_groups() == 2
+
+            def failing_catch_up(new):
+                raise RuntimeError("injected: the copy source died")
+
+            ctl._catch_up = failing_catch_up
+            ray.kill(ctl.replicas[1].leader, no_restart=True)
+            prompts = [[i + 1, 2, 3] for i in range(8)]
+            outs = ctl.generate(prompts, SamplingParams(max_new_tokens=3, seed=1, ignore_eos=True))
+            assert sorted(o.prompt_index for o in outs) == list(range(8))
+            deadline = time.monotonic() + 120
+            while ctl.status()[1]["state"] != "dead":
+                assert time.monotonic() < deadline, "the rebuild never ended"
+                time.sleep(0.1)
+            assert "injected" in ctl.status()[1]["last_failure"]
+            assert _live_groups() == 1  # replica 0's; the failed rebuild's is gone
+        assert _live_groups() == 0
