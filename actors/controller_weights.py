@@ -258,19 +258,11 @@ class ControllerWeightsMixin:
         any replica pauses: a bad update, or one that some replica could not take (a checkpoint
         its node does not have, a layout it does not hold), fails with nothing changed. A replica
         whose shard died goes to recovery and is left out."""
-        refs = [(r, [s.precheck_weights.remote(kind, payload, allow_partial) for s in r.shards])
-                for r in targets]
-        ok, errors = [], []
-        for replica, shard_refs in refs:
-            try:
-                ray.get(shard_refs)
-                ok.append(replica)
-            except RayActorError as e:
-                self._replica_failed(replica.index, f"{type(e).__name__} during a weight update")
-            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
-                errors.append(_unwrap(e))
-        if errors:
-            raise errors[0]
+        ok, failed = self._gather(
+            targets, lambda r: [s.precheck_weights.remote(kind, payload, allow_partial) for s in r.shards],
+            "a weight update's precheck")
+        if failed:
+            raise _unwrap(failed[0][1])
         return ok
 
     def _finish_update(self, version: int, done: list, failed: list) -> None:
@@ -339,19 +331,10 @@ class ControllerWeightsMixin:
     def _pause_all(self, targets: list, pause_mode: Optional[str]) -> list:
         """Every leader paused (a dead one goes to recovery), or, if one fails to pause, the
         others resumed and its error raised: no leader is left paused."""
-        refs = [(r, r.leader.pause.remote(pause_mode)) for r in targets]
-        paused, errors = [], []
-        for replica, ref in refs:
-            try:
-                ray.get(ref)
-                paused.append(replica)
-            except RayActorError as e:
-                self._replica_failed(replica.index, f"{type(e).__name__} during pause")
-            except Exception as e:  # noqa: BLE001 — raised once the others are resumed
-                errors.append(e)
-        if errors:
+        paused, failed = self._gather(targets, lambda r: r.leader.pause.remote(pause_mode), "pause")
+        if failed:
             self._call_leaders(paused, "resume")
-            raise errors[0]
+            raise failed[0][1]
         return paused
 
     def _update_single_rank(self, kind: str, payload, version: int, allow_partial: bool,
@@ -359,18 +342,10 @@ class ControllerWeightsMixin:
         """Replicas of one rank: one call each does pause → load → commit → resume. Returns the
         replicas that took the update and the (replica, error) pairs of those that did not; a
         replica whose actor died goes to recovery (in neither list)."""
-        refs = [(r, r.leader.update_weights.remote(kind, payload, allow_partial, pause_mode, version))
-                for r in targets]
-        done, failed = [], []
-        for replica, ref in refs:
-            try:
-                ray.get(ref)
-                done.append(replica)
-            except RayActorError as e:
-                self._replica_failed(replica.index, f"{type(e).__name__} during update_weights")
-            except Exception as e:  # noqa: BLE001 — settled by _finish_update
-                failed.append((replica, _unwrap(e)))
-        return done, failed
+        done, failed = self._gather(
+            targets, lambda r: r.leader.update_weights.remote(kind, payload, allow_partial, pause_mode,
+                                                              version), "update_weights")
+        return done, [(r, _unwrap(e)) for r, e in failed]
 
     def _apply_everywhere(self, kind: str, payload, allow_partial: bool, replicas: list
                           ) -> tuple[list[tuple[Any, BaseException]], list]:

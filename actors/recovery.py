@@ -199,26 +199,31 @@ class RecoveryMixin:
         with self._lock:
             return [r for r, s in zip(self.replicas, self._state) if s in states]
 
-    def _call_leaders(self, replicas: list[Replica], method: str, *args: Any,
-                      wrap_error: Optional[Callable[[BaseException], BaseException]] = None) -> list[Replica]:
+    def _call_leaders(self, replicas: list[Replica], method: str, *args: Any) -> list[Replica]:
         """`method` on each leader; a replica whose actor died goes to recovery and is left out
-        of the returned list. Other errors are raised: at once, or with `wrap_error` once every
-        leader has answered (the first one, wrapped)."""
-        refs = [(r, getattr(r.leader, method).remote(*args)) for r in replicas]
-        ok, errors = [], []
+        of the returned list. Another error is raised once every leader has answered (the
+        first one)."""
+        ok, failed = self._gather(replicas, lambda r: getattr(r.leader, method).remote(*args), method)
+        if failed:
+            raise failed[0][1]
+        return ok
+
+    def _gather(self, replicas: list[Replica], call: Callable[[Replica], Any], what: str
+                ) -> tuple[list[Replica], list[tuple[Replica, BaseException]]]:
+        """`call(replica)` (a Ray ref, or a list of them) issued for every replica, then each
+        awaited: the replicas whose calls all returned, and (replica, error) for the others. A
+        replica whose actor died goes to recovery and is in neither list."""
+        refs = [(r, call(r)) for r in replicas]
+        ok, failed = [], []
         for replica, ref in refs:
             try:
                 ray.get(ref)
                 ok.append(replica)
             except RayActorError as e:
-                self._replica_failed(replica.index, f"{type(e).__name__} during {method}")
-            except Exception as e:  # noqa: BLE001 — collected, the first one is re-raised
-                if wrap_error is None:
-                    raise
-                errors.append(wrap_error(e))
-        if errors:
-            raise errors[0]
-        return ok
+                self._replica_failed(replica.index, f"{type(e).__name__} during {what}")
+            except Exception as e:  # noqa: BLE001 — the caller decides
+                failed.append((replica, e))
+        return ok, failed
 
     def _mark_stale(self, replicas: list[Replica], reason: str) -> None:
         """These replicas do not hold the controller's weights: no work until an update lands."""
