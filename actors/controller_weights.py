@@ -30,10 +30,10 @@ from weight_sync.errors import WeightUpdateError
 from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef, IpcLayoutUnknownError
 from weight_sync.process_group import GroupAddress
-from weight_sync.push_channel import (PushChannelClient, PushChannelError, PushChannelInfo, push_request,
-                                      send_all)
+from weight_sync.push_channel import (PushChannelClient, PushChannelError, PushChannelInfo, precheck_request,
+                                      push_request, send_all)
 from weight_sync.spec import TensorSpec
-from weight_sync.version import next_version
+from weight_sync.update_args import next_version
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class ControllerWeightsMixin:
             new_version = next_version(self._weight_version, version)
             fast = [r for r in targets if r.index in clients]
             slow = [r for r in targets if r.index not in clients]
+            fast, slow = self._precheck_over_channels(ref, allow_partial, clients, fast, slow)
             replies = send_all([clients[r.index] for r in fast],
                                push_request(ref.layout_id, new_version, allow_partial, pause_mode))
             failed, done = [], []
@@ -188,6 +189,25 @@ class ControllerWeightsMixin:
             self.last_ipc_path = "channel+ray" if slow else "channel"
             self._finish_update(new_version, done, failed)
         return new_version
+
+    def _precheck_over_channels(self, ref: IpcLayoutRef, allow_partial: bool, clients: dict,
+                                fast: list, slow: list) -> tuple[list, list]:
+        """Every replica holds the layout, or the push fails before any replica loads it (a
+        rebuilt one that lost it would otherwise leave the others stale): over the channels,
+        and through Ray for the replicas without one (a channel that fails now joins them)."""
+        replies = send_all([clients[r.index] for r in fast], precheck_request(ref.layout_id, allow_partial))
+        still_fast = []
+        for replica, reply in zip(fast, replies):
+            if isinstance(reply, PushChannelError):
+                self._drop_channel(replica.index)
+                slow.append(replica)
+            elif reply.get("ok"):
+                still_fast.append(replica)
+            else:
+                raise _typed_error(reply)
+        if slow:
+            slow = self._precheck_everywhere("ipc", ref, allow_partial, slow)
+        return still_fast, slow
 
     def drop_ipc_layouts(self, layout_ids: Optional[Sequence[str]] = None) -> None:
         """Every shard closes these registered IPC layouts (all when None)."""

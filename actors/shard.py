@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -71,9 +72,17 @@ class RolloutShard:
     def _serve(self) -> None:
         try:
             self.follower.run()
-        except Exception as e:  # the leader died or a collective failed: keep it for status()
+        except Exception as e:  # the leader died or a collective failed
             self._follower_error = f"{type(e).__name__}: {e}"
-            logger.exception("TP follower rank %d stopped", self.rank)
+            logger.exception("TP follower rank %d stopped; its process exits", self.rank)
+            # A follower whose loop stopped can never serve its replica again, and a leader's
+            # broadcast to a live peer that no longer receives waits without bound (the step
+            # channel's group allows days: followers idle between calls). Exiting closes the
+            # sockets: the leader's next collective fails at once, and the controller, which
+            # finds this shard dead, rebuilds the replica.
+            self._exit_process(1)
+
+    _exit_process = staticmethod(os._exit)
 
     # ---- work (leader) ----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, **kw: Any):
@@ -135,13 +144,16 @@ class RolloutShard:
         if self.tp_size != 1:
             raise RuntimeError("the push channel serves single-rank replicas only")
         if self._push_channel is None:
-            self._push_channel = PushChannelServer(self._channel_push)
+            self._push_channel = PushChannelServer(self._channel_push, self._channel_precheck)
         return self._push_channel.info
 
     def _channel_push(self, layout_id: str, version: int, allow_partial: bool,
                       pause_mode: Optional[str]) -> dict:
         out = self.update_weights("ipc", IpcLayoutRef(layout_id), allow_partial, pause_mode, version)
         return {"version": int(out), "incomplete": self.updater.incomplete_reason is not None}
+
+    def _channel_precheck(self, layout_id: str, allow_partial: bool) -> None:
+        self.updater.precheck("ipc", IpcLayoutRef(layout_id), allow_partial)
 
     def drop_ipc_layouts(self, layout_ids=None) -> None:
         """Close registered IPC layouts (the trainer's memory is unmapped)."""

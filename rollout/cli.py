@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 
@@ -70,35 +73,77 @@ def _generate_parser(sub) -> None:
 
 
 def _generate(a) -> int:
-    from rollout import Engine, EngineConfig, SamplingParams
+    """Every input line is read and checked, and the output's directory too, before the model
+    loads; the output appears whole (written beside it, then renamed) or not at all."""
+    from rollout import Engine, EngineConfig, InvalidRequestError, KVCacheBudgetError
     defaults = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                     top_k=a.top_k, n=a.n)
-    prompts, params = [], []
+    prompts, params, lines = [], [], []
     with open(a.input) as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 prompt, sp = _parse_line(line, line_no, defaults)
                 prompts.append(prompt)
-                params.append(SamplingParams(**sp))
-    engine = Engine(EngineConfig(model_path=a.model, device=a.device, dtype=a.dtype, seed=a.seed,
-                                 kv_cache_tokens=a.kv_cache_tokens))
-    outs = engine.generate(prompts, params, progress=a.progress)
-    with open(a.output, "w") as f:
-        for o in outs:
-            f.write(json.dumps(_output_record(o)) + "\n")
+                params.append(sp)
+                lines.append(line_no)
+    tmp = _output_sibling(a.output)
+    try:
+        engine = Engine(EngineConfig(model_path=a.model, device=a.device, dtype=a.dtype, seed=a.seed,
+                                     kv_cache_tokens=a.kv_cache_tokens))
+        try:
+            outs = engine.generate(prompts, params, progress=a.progress)
+        except (InvalidRequestError, KVCacheBudgetError) as e:
+            raise SystemExit(_with_line(str(e), lines))
+        with open(tmp, "w") as f:
+            for o in outs:
+                f.write(json.dumps(_output_record(o)) + "\n")
+        os.replace(tmp, a.output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     print(f"wrote {len(outs)} samples to {a.output}", file=sys.stderr)
     return 0
 
 
 def _parse_line(line: str, line_no: int, defaults: dict):
+    from rollout import InvalidRequestError, SamplingParams
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise SystemExit(f"input line {line_no} is not JSON: {e}")
+    if not isinstance(rec, dict):
+        raise SystemExit(f"input line {line_no} must be a JSON object, got {type(rec).__name__}")
     prompt = rec.get("prompt", rec.get("prompt_token_ids"))
     if prompt is None:
         raise SystemExit(f"input line {line_no} has neither 'prompt' nor 'prompt_token_ids'")
-    return prompt, {**defaults, **rec.get("sampling_params", {})}
+    overrides = rec.get("sampling_params", {})
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"input line {line_no}: 'sampling_params' must be an object, got "
+                         f"{type(overrides).__name__}")
+    try:
+        return prompt, SamplingParams(**{**defaults, **overrides})
+    except InvalidRequestError as e:
+        raise SystemExit(f"input line {line_no}: {e}")
+
+
+def _output_sibling(output: str) -> str:
+    """A new file beside `output` (so a missing or read-only directory fails now, not after
+    the run, and the rename into place is atomic)."""
+    directory = os.path.dirname(os.path.abspath(output))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", dir=directory)
+    except OSError as e:
+        raise SystemExit(f"cannot write the output {output}: {e}")
+    os.close(fd)
+    return tmp
+
+
+def _with_line(message: str, lines: list[int]) -> str:
+    """The engine names prompts by index among the non-blank lines: say which input line."""
+    found = re.match(r"prompt (\d+) ", message)
+    if found and int(found.group(1)) < len(lines):
+        return f"input line {lines[int(found.group(1))]}: {message}"
+    return message
 
 
 def _output_record(o) -> dict:

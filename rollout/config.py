@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from rollout.errors import ConfigError
+from weight_sync.update_args import PAUSE_MODES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -153,7 +154,6 @@ GPU_PREFILL_TOKENS = 8192
 # chunks of 512-768 tokens made the prefill 25% and the whole generate ~8% faster than one chunk.
 CPU_PREFILL_ACTIVATION_BYTES = 4 << 20
 CPU_PREFILL_TOKENS_RANGE = (128, 8192)
-PAUSE_MODES = ("abort", "retract", "in_place")
 # GPU: prefill graph sizes (`prefill_graphs`), in tokens and in requests. An eager prefill is
 # host-bound up to thousands of tokens (~20 ms of launches; H200, Qwen2-1.5B shape), while past
 # ~512 tokens its GPU work grows with the padded token count (~5 us a token): token sizes in

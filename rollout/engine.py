@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any, Iterator, Optional, Sequence
@@ -29,6 +30,8 @@ from weight_sync.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
+LOCK_WARN_S = 30.0  # a call waiting this long for the engine logs why, and again each time
+
 WEIGHTS_RELEASED = ("the weights were released by release_memory and are undefined after "
                     "resume_memory; push a full weight update")
 
@@ -50,7 +53,7 @@ class Engine(EngineWeightsMixin):
         self._lock = threading.Lock()  # one generation at a time
         self._weights_lock = threading.RLock()  # weight updates vs. release/resume of memory
         self.gate = StepGate()
-        self._owner: Optional[int] = None  # the thread whose call holds the engine
+        self._dropped = False  # a call ended early and its requests still wait to be dropped
         self.updater = WeightUpdater(self.runner, check_finite=config.check_finite)
 
     def _make_scheduler(self) -> Scheduler:
@@ -79,26 +82,31 @@ class Engine(EngineWeightsMixin):
         """Last-token logits [len(prompts), vocab] (float32, CPU) of a fresh prefill of each
         prompt: what a trainer compares against its own model after a weight update."""
         self._check_ready()
-        self._check_not_reentered()
         check_prompt_list(prompts)
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
-        with self._lock, self.gate.step():
-            self._check_ready()  # memory may have been released meanwhile
-            alloc = self.scheduler.alloc
-            if len(ids) > alloc.num_free_rows:
-                raise KVCacheBudgetError(f"{len(ids)} prompts at once; the engine has "
-                                         f"{alloc.num_free_rows} request rows free")
-            rows = [alloc.alloc_row() for _ in ids]
-            fb = None
-            try:
-                fb = build_batch(ForwardMode.EXTEND, rows, ids, [0] * len(ids), alloc, self.runner.device)
-                if fb is None:
-                    raise KVCacheBudgetError("the KV cache has no room for these prompts right now")
-                return self.forward(fb).float().cpu()
-            finally:
-                self.runner.release_cpu_threads()
-                for r, p in zip(rows, ids):
-                    alloc.free(r, len(p) if fb is not None else 0)
+        with self._engine_lock("prefill_logits()"):
+            self._reset_if_dropped()
+            with self.gate.step():
+                return self._prefill_logits(ids)
+
+    def _prefill_logits(self, ids: list[list[int]]) -> torch.Tensor:
+        """One EXTEND batch of the prompts, its rows and slots given back whatever happens."""
+        self._check_ready()  # memory may have been released meanwhile
+        alloc = self.scheduler.alloc
+        if len(ids) > alloc.num_free_rows:
+            raise KVCacheBudgetError(f"{len(ids)} prompts at once; the engine has "
+                                     f"{alloc.num_free_rows} request rows free")
+        rows = [alloc.alloc_row() for _ in ids]
+        fb = None
+        try:
+            fb = build_batch(ForwardMode.EXTEND, rows, ids, [0] * len(ids), alloc, self.runner.device)
+            if fb is None:
+                raise KVCacheBudgetError("the KV cache has no room for these prompts right now")
+            return self.forward(fb).float().cpu()
+        finally:
+            self.runner.release_cpu_threads()
+            for r, p in zip(rows, ids):
+                alloc.free(r, len(p) if fb is not None else 0)
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
@@ -115,7 +123,6 @@ class Engine(EngineWeightsMixin):
         if unknown:
             raise InvalidRequestError(f"unknown generate() argument(s) {sorted(unknown)}")
         self._check_ready()
-        self._check_not_reentered()
         reqs = self._requests.build(prompts, sampling_params)
         return self._run(reqs, self.config.show_progress if progress is None else progress)
 
@@ -129,12 +136,12 @@ class Engine(EngineWeightsMixin):
         gate, serialized with a pause or an abort from another thread. If the call ends early —
         a step raised, or the caller closed (or dropped) the iterator — its requests are dropped
         with their KV, so nothing of it reaches the next call."""
-        with self._lock:
+        with self._engine_lock("generate()"):
             self._check_ready()  # memory may have been released meanwhile
-            self._owner = threading.get_ident()
-            scheduler, complete = self.scheduler, False
+            self._reset_if_dropped()
+            scheduler, runner, complete = self.scheduler, self.runner, False
             try:
-                with self.gate.step():
+                with self.gate.exclusive():
                     for r in reqs:
                         scheduler.add(r)
                 with progress_bar(len(reqs), show) as bar:
@@ -146,31 +153,47 @@ class Engine(EngineWeightsMixin):
                             if not finished and scheduler.stuck:
                                 raise KVCacheBudgetError(_stuck_message(scheduler))
                         if finished:
-                            self.runner.release_cpu_threads()  # the caller runs between yields
+                            runner.release_cpu_threads()  # the caller runs between yields
                         for req in finished:
                             bar.update(1)
                             yield self._output(req)
                 complete = True
             finally:
                 if not complete:
-                    self._drop_call(scheduler)
-                self._owner = None
-                if self.runner is not None:
-                    self.runner.release_cpu_threads()
+                    self._drop_call()
+                runner.release_cpu_threads()
 
-    def _drop_call(self, scheduler: Scheduler) -> None:
-        with self.gate.step():
-            dropped = scheduler.reset()
+    def _drop_call(self) -> None:
+        """The call's requests go, with their KV — at once, or, if this thread holds the gate
+        (the call was dropped by a garbage collection inside its own step or pause), when the
+        engine is next taken."""
+        if self.gate.held_here:
+            self._dropped = True
+            return
+        self._dropped = False
+        with self.gate.exclusive():
+            dropped = self.scheduler.reset()
         if dropped:
             logger.warning("a generate call ended early (an error, or its iterator was closed): "
                            "%d unfinished request(s) dropped with their KV", len(dropped))
 
-    def _check_not_reentered(self) -> None:
-        """A thread cannot start a call while its own generate_iter is suspended mid-way (it
-        holds the engine: waiting for it would never end)."""
-        if self._owner == threading.get_ident():
-            raise InvalidRequestError("this thread's generate_iter on this engine is still open: "
-                                      "exhaust or close it before another call")
+    def _reset_if_dropped(self) -> None:
+        if self._dropped:
+            self._drop_call()
+
+    @contextlib.contextmanager
+    def _engine_lock(self, what: str) -> Iterator[None]:
+        """The engine, for one call at a time; a call that waits long says for what (another
+        call, e.g. a generate_iter left open — by this very thread, it would wait forever)."""
+        waited = 0.0
+        while not self._lock.acquire(timeout=LOCK_WARN_S):
+            waited += LOCK_WARN_S
+            logger.warning("%s has waited %.0f s for this engine: another call holds it (a "
+                           "generate_iter not exhausted or closed?)", what, waited)
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
@@ -199,15 +222,15 @@ class Engine(EngineWeightsMixin):
         Waits for a running generate() to end; until resume_memory, generate() raises
         EngineNotReadyError. Released weights come back undefined, so from here on the engine
         refuses to generate until a full weight update lands (release → train → resume → push)."""
-        self._check_not_reentered()
-        with self._lock, self._weights_lock:
+        with self._engine_lock("release_memory()"), self._weights_lock:
+            self._reset_if_dropped()
             self.runner.release_memory(tags)
             if "weights" in self.runner.released:
                 self.updater.mark_incomplete(WEIGHTS_RELEASED, log=False)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Re-allocate what release_memory freed (the KV cache zeroed; CUDA graphs re-captured)."""
-        with self._lock, self._weights_lock:
+        with self._engine_lock("resume_memory()"), self._weights_lock:
             self.runner.resume_memory(tags)
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
 from weight_sync.spec import TensorSpec
-from weight_sync.version import next_version
+from weight_sync.update_args import next_version
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -127,11 +127,12 @@ class EngineWeightsMixin:
         _check_pause_mode(mode)
         self.gate.pause()
         try:
-            self.scheduler.drain()  # the step in flight finishes under the weights it started with
-            if mode == "abort":
-                self.scheduler.abort_all()
-            elif mode == "retract":
-                self.scheduler.retract_all()
+            with self.gate.exclusive():  # (an abort from another thread waits for this)
+                self.scheduler.drain()  # the step in flight finishes under the weights it started with
+                if mode == "abort":
+                    self.scheduler.abort_all()
+                elif mode == "retract":
+                    self.scheduler.retract_all()
         except BaseException:  # not left paused: the generate loop would wait forever
             self.gate.resume()
             raise
@@ -146,7 +147,8 @@ class EngineWeightsMixin:
         """After a failed update: if this shard holds a mix of versions, end the in-flight
         requests now (returned with the tokens they have) rather than continue on mixed weights."""
         if self.updater.incomplete_reason is not None:
-            self.scheduler.abort_all()
+            with self.gate.exclusive():  # generation may be running (a controller's fence)
+                self.scheduler.abort_all()
 
     def _precheck(self, kind: str, payload, allow_partial: bool) -> Callable[[], None]:
         return lambda: self.updater.precheck(kind, payload, allow_partial)

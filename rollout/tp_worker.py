@@ -109,10 +109,12 @@ class TPLeaderEngine(Engine):
         return super().forward(fb)
 
     def shutdown(self) -> None:
-        if not self._stopped:
-            self._stopped = True
-            self._channel.send(StopMessage())
-        super().shutdown()
+        try:
+            if not self._stopped:
+                self._stopped = True
+                self._channel.send(StopMessage())  # fails if a follower is gone: shut down anyway
+        finally:
+            super().shutdown()
 
 
 class TPFollower:

@@ -35,3 +35,27 @@ def test_help_explains_options():
                          capture_output=True, text=True, check=True)
     for option in ("--model", "--input", "--output", "--temperature", "--n"):
         assert option in res.stdout
+
+
+def test_generate_bad_lines_and_outputs_fail_first_and_name_the_line(tiny_dirs, tmp_path):
+    """Each bad input line exits with its line number before the model loads; an output whose
+    directory is missing fails before the run; an engine error names the input line (blank
+    lines are skipped, so the prompt index is not the line); no output file appears."""
+    import pytest
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    out = tmp_path / "out.jsonl"
+    cases = {
+        '[1, 2, 3]': "input line 2 must be a JSON object, got list",
+        '{"prompt_token_ids": [1], "sampling_params": null}': "input line 2: 'sampling_params' must be an object",
+        '{"prompt_token_ids": [1], "sampling_params": {"top_p": 0}}': r"input line 2: top_p must be in",
+        '{"prompt_token_ids": [1, 999999]}': "input line 3: prompt 1 has token id 999999",
+    }
+    for line, message in cases.items():
+        inp = tmp_path / "in.jsonl"
+        inp.write_text('{"prompt_token_ids": [5, 6]}\n' + ("\n" if "999999" in line else "") + line + "\n")
+        with pytest.raises(SystemExit, match=message):
+            main(["generate", "--model", path, "--input", str(inp), "--output", str(out)])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    inp.write_text('{"prompt_token_ids": [5, 6]}\n')
+    with pytest.raises(SystemExit, match="cannot write the output"):
+        main(["generate", "--model", path, "--input", str(inp), "--output", str(tmp_path / "no" / "o.jsonl")])

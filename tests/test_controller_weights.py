@@ -176,41 +176,52 @@ def test_trainer_killed_mid_broadcast(ctl, trainer, tiny_dirs):
 
 
 def test_an_update_some_replicas_fail_leaves_every_serving_replica_on_one_version(ctl, trainer):
-    """Replica 1 lost the registered layout (as a rebuilt one): over the push channels replica
-    0 takes the push and replica 1 refuses it. The controller keeps its version; replica 0, which
-    holds weights it does not serve, goes stale until a complete update lands, so every sample
-    comes from replica 1's (the old) weights. Over Ray the precheck stops such a push before any
-    replica pauses: nothing changes anywhere."""
+    """A push that one replica cannot take (it lost the registered layout, as a rebuilt one)
+    fails before any replica loads it — over the push channels and through Ray alike. One that
+    a replica fails while loading (after the checks) leaves the controller on its version: the
+    replica that took it goes stale until a complete update lands, so every sample comes from
+    the old weights of the replica that serves."""
     import ray
     from weight_sync.ipc_layout import IpcLayoutUnknownError
     if ctl.replicas[0].tp_size != 1:
         pytest.skip("needs two single-rank replicas")
     sender = WeightSender(ctl, "ipc", bucket_bytes=64 << 10)
     sender.push(trainer.named_parameters())
-    version, before = ctl.weight_version, ctl.prefill_logits(PROMPTS, 1)
+    version, before = ctl.weight_version, [ctl.prefill_logits(PROMPTS, i) for i in range(2)]
     ref = sender._ipc.current.layout.ref
-    ray.get(ctl.replicas[1].leader.drop_ipc_layouts.remote())
     perturb(trainer, seed=45)
     sender._ipc.prepare([(n, p.detach()) for n, p in trainer.named_parameters()], False)
 
-    ctl.use_push_channels = False  # the Ray path: the precheck on every shard
-    try:
+    ray.get(ctl.replicas[1].leader.drop_ipc_layouts.remote())
+    for channels in (True, False):
+        ctl.use_push_channels = channels
         with pytest.raises(IpcLayoutUnknownError, match="not registered here"):
             ctl.update_weights_from_ipc(ref)
-    finally:
-        ctl.use_push_channels = True
-    assert ctl.weight_version == version and [r["state"] for r in ctl.status()] == ["alive"] * 2
-    assert torch.equal(ctl.prefill_logits(PROMPTS, 0), before)
+        assert ctl.weight_version == version and [r["state"] for r in ctl.status()] == ["alive"] * 2
+        assert all(torch.equal(ctl.prefill_logits(PROMPTS, i), before[i]) for i in range(2))
+    ctl.use_push_channels = True
+    assert sender.push(trainer.named_parameters()) == version + 1  # registers again on replica 1
+    version, before = ctl.weight_version, [ctl.prefill_logits(PROMPTS, i) for i in range(2)]
 
-    with pytest.raises(IpcLayoutUnknownError, match="not registered here"):
-        ctl.update_weights_from_ipc(ref)  # the channels: replica 0 loads before 1 answers
+    def fail_next_ipc_load(shard) -> None:  # (in the shard actor) before writing anything
+        updater, real = shard.updater, shard.updater.from_ipc
+
+        def once(*args, **kwargs):
+            updater.from_ipc = real
+            raise WeightUpdateError("injected: this replica's load failed before writing")
+        updater.from_ipc = once
+
+    ray.get(ctl.replicas[1].leader.__ray_call__.remote(fail_next_ipc_load))
+    perturb(trainer, seed=46)
+    with pytest.raises(WeightUpdateError, match="injected"):
+        sender.push(trainer.named_parameters())
     assert ctl.last_ipc_path == "channel" and ctl.weight_version == version
     states = {r["index"]: r for r in ctl.status()}
     assert states[0]["state"] == "stale" and "failed on replica(s) [1]" in states[0]["last_failure"]
     assert states[1]["state"] == "alive"
     outs = ctl.generate([[1, 2, 3]] * 8, SamplingParams(max_new_tokens=2))
     assert all(o.token_weight_versions == [version] * 2 for o in outs)  # replica 1 only
-    assert torch.equal(ctl.prefill_logits(PROMPTS, 1), before)
+    assert torch.equal(ctl.prefill_logits(PROMPTS, 1), before[1])
 
     assert sender.push(trainer.named_parameters()) == version + 1 == ctl.weight_version
     assert [r["state"] for r in ctl.status()] == ["alive"] * 2

@@ -12,8 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from rollout import (Engine, EngineConfig, InvalidRequestError, KVCacheBudgetError, SamplingParams,
-                     WeightUpdateError)
+from rollout import Engine, EngineConfig, KVCacheBudgetError, SamplingParams, WeightUpdateError
 from tests.helpers import hf_model
 from tests.test_weight_sync import perturb
 
@@ -94,18 +93,44 @@ def test_an_iterator_closed_half_way_leaves_nothing_behind(tiny_dirs, overlap, r
     assert _tokens(engine.generate(NEXT, SP)) == reference  # only its own output
 
 
-def test_a_call_from_the_thread_of_an_open_iterator_raises_instead_of_hanging(tiny_dirs, overlap):
+def test_a_stream_moving_between_pool_threads_and_another_call_both_finish(tiny_dirs, overlap):
+    """A generate_iter advanced from whichever pool thread is free while another task's call
+    waits for the engine: the other call waits (no false error), then runs."""
+    import asyncio
     engine = _engine(tiny_dirs, overlap)
-    it = engine.generate_iter(PROMPTS, SP)
+
+    async def stream():
+        it, outs = engine.generate_iter(PROMPTS, SP), []
+        while (out := await asyncio.to_thread(next, it, None)) is not None:
+            outs.append(out)
+        return outs
+
+    async def both():
+        return await asyncio.gather(stream(), engine.agenerate(NEXT, SP), stream())
+
+    with _fails_within(60):
+        first, other, second = asyncio.run(both())
+    assert len(first) == len(second) == len(PROMPTS) and len(other) == 1
+    assert _tokens(sorted(first, key=lambda o: o.prompt_index)) == _tokens(
+        sorted(second, key=lambda o: o.prompt_index))
+    assert _whole(engine)
+
+
+def test_the_thread_that_paused_can_abort_drop_a_call_and_shut_down(tiny_dirs, overlap):
+    """A pause stops steps, not the pausing thread: inside its own pause it can abort a request,
+    close an open stream (its requests are dropped) and shut the engine down."""
+    engine = _engine(tiny_dirs, overlap)
+    it = engine.generate_iter(PROMPTS, [SamplingParams(max_new_tokens=1 + 4 * i, seed=i, ignore_eos=True)
+                                        for i in range(len(PROMPTS))])
     next(it)
-    for call in (lambda: engine.generate(NEXT, SP), lambda: engine.prefill_logits(NEXT),
-                 lambda: engine.release_memory()):
-        with _fails_within(20), pytest.raises(InvalidRequestError,
-                                              match="generate_iter on this engine is still open"):
-            call()
-    rest = list(it)  # the open call goes on unharmed
-    assert len(rest) == len(PROMPTS) - 1 and all(len(o.token_ids) == 6 for o in rest)
-    assert engine.generate(NEXT, SP)[0].finish_reason == "length"
+    rid = engine.scheduler.running[-1].rid
+    with _fails_within(20), engine.paused():
+        assert engine.abort(rid)
+        it.close()
+    assert _whole(engine)
+    engine.pause_generation()
+    with _fails_within(20):
+        engine.shutdown()
 
 
 def test_aborts_from_another_thread_lose_no_request_and_leak_no_kv(tiny_dirs, overlap):

@@ -78,6 +78,41 @@ def test_wrong_token_is_refused_before_any_request():
         server.close()
 
 
+def test_peers_trickling_bytes_without_the_token_hold_no_slot(monkeypatch):
+    """The token must arrive within AUTH_TIMEOUT_S in all, not per byte: peers that send a byte
+    now and then cannot keep every connection slot from the trainer."""
+    import threading
+    from weight_sync import push_channel
+    monkeypatch.setattr(push_channel, "AUTH_TIMEOUT_S", 0.5)
+    server = PushChannelServer(_Recorder())
+    stop = threading.Event()
+
+    def trickle(sock):
+        try:
+            sock.sendall((60000).to_bytes(4, "big"))  # a long message, then its bytes one by one
+            while not stop.is_set():
+                sock.sendall(b" ")
+                time.sleep(0.1)
+        except OSError:
+            pass  # closed by the server: the point
+
+    peers = [socket.create_connection((server.host, server.port))
+             for _ in range(push_channel.MAX_CONNECTIONS)]
+    threads = [threading.Thread(target=trickle, args=(p,), daemon=True) for p in peers]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # past the deadline, still trickling
+        client = PushChannelClient(server.info)
+        assert client.call({"op": "ping"}) == {"ok": True}
+        client.close()
+    finally:
+        stop.set()
+        for p in peers:
+            p.close()
+        server.close()
+
+
 def test_closed_server_is_a_channel_error():
     server = PushChannelServer(_Recorder())
     client = PushChannelClient(server.info)

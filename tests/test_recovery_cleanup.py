@@ -42,3 +42,34 @@ def test_a_rebuild_that_fails_leaves_no_placement_group(tiny_dirs):
             assert "injected" in ctl.status()[1]["last_failure"]
             assert _live_groups() == 1  # replica 0's; the failed rebuild's is gone
         assert _live_groups() == 0
+
+
+def test_a_follower_whose_loop_failed_exits_so_the_replica_is_rebuilt_not_hung(tiny_dirs):
+    """The leader's forward fails after the step went out to its follower (an out-of-memory,
+    say): the follower waits out its collective and its loop stops. It exits then, so the
+    leader's next step fails at once instead of blocking on a peer that no longer receives, and
+    the controller rebuilds the replica and re-runs the prompts."""
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=1024, tp_size=2)
+        with RolloutController(cfg, num_replicas=1, dist_timeout_s=3, start_timeout_s=120) as ctl:
+            sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+            reference = ctl.generate([[1, 2, 3], [4, 5]], sp)
+
+            def fail_next_forward(shard):
+                runner, real = shard.engine.runner, shard.engine.runner.forward
+
+                def once(fb):
+                    runner.forward = real
+                    raise RuntimeError("injected: out of memory in the leader's forward")
+                runner.forward = once
+
+            ray.get(ctl.replicas[0].leader.__ray_call__.remote(fail_next_forward))
+            with pytest.raises(RuntimeError, match="injected"):
+                ctl.generate([[1, 2, 3]], sp)
+            deadline = time.monotonic() + 60
+            while ctl.status()[0]["alive"]:  # the follower's loop stops, its process exits
+                assert time.monotonic() < deadline, "the follower's loop never ended"
+                time.sleep(0.2)
+            outs = ctl.generate_async([[1, 2, 3], [4, 5]], sp).result(timeout=90)  # not a hang
+            assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+            assert all(o.rerun_after_failure for o in outs) and ctl.status()[0]["restarts"] == 1

@@ -175,8 +175,10 @@ def test_push_passes_pause_mode(setup):
     engine, trainer = setup
     sender = WeightSender(engine, "tensor")
     from rollout import ConfigError
-    with pytest.raises(ConfigError, match="pause_mode"):
+    with pytest.raises(WeightUpdateError, match="pause_mode"):  # the sender's check, any transport
         sender.push(trainer.named_parameters(), pause_mode="later")
+    with pytest.raises(ConfigError, match="pause_mode"):  # the engine's own
+        engine.update_weights_from_tensor(list(trainer.named_parameters()), pause_mode="later")
     assert engine.weight_version == 0
     assert sender.push(trainer.named_parameters(), pause_mode="abort") == 1
 
@@ -197,3 +199,28 @@ def test_a_failed_checkpoint_write_leaves_no_temporary_directory(tmp_path, monke
         disk.save_atomic([("a", torch.full((4,), 2.0))], tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_a_broadcast_the_receiver_refused_leaves_the_next_push_working(tiny_dirs):
+    """The receiver rejects a bucket mid-broadcast (NaN with check_finite): the push fails typed
+    and the engine refuses until a full update; the sender and the engine leave the group they
+    can no longer trust, so the next push (a new group) lands."""
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    engine = Engine(EngineConfig(model_path=path, kv_cache_tokens=4096, check_finite=True))
+    trainer = hf_model(path)
+    sender = WeightSender(engine, "nccl", bucket_bytes=64 << 10, group_timeout_s=5)
+    with pytest.raises(WeightUpdateError, match="pause_mode must be one of"):
+        sender.push(trainer.named_parameters(), pause_mode="later")  # before any byte moves
+    assert sender.group is None and engine.updater.incomplete_reason is None
+    perturb(trainer, seed=12)
+    named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
+    named[-1][1][0] = float("nan")
+    with pytest.raises(WeightUpdateError, match="NaN"):
+        sender.push(named)
+    assert sender.group is None and engine.updater.group is None
+    with pytest.raises(EngineNotReadyError, match="incomplete"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert sender.push(trainer.named_parameters()) == 1
+    assert (engine_logits(engine) - hf_logits(trainer)).abs().max() <= 1e-5
+    assert sender.push([], allow_partial=True) == 2  # nothing to send: a version bump
+    sender.close()

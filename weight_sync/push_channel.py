@@ -12,6 +12,8 @@ pickle), at most `MAX_MESSAGE` bytes. A connection's first message is the secret
 the connection is closed, before any request is read. Then requests, each answered in order:
 `{"op": "push", "layout_id", "version", "allow_partial", "pause_mode"}` →
 `{"ok": true, "version", "incomplete"}` or `{"ok": false, "error_type", "message"}`;
+`{"op": "precheck", "layout_id", "allow_partial"}` → `{"ok": true}` or the error a push would
+raise before writing (a layout the shard does not hold: asked of every shard before any loads);
 `{"op": "ping"}` → `{"ok": true}` (the channel's own round trip). Every failure to reach the
 shard surfaces as `PushChannelError`; the caller then takes the Ray path for that push."""
 from __future__ import annotations
@@ -23,6 +25,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -57,23 +60,30 @@ def send_message(sock: socket.socket, obj: dict) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> Optional[dict]:
-    """The next message, or None at a clean end of stream."""
-    head = _recv_exact(sock, _LEN.size, eof_ok=True)
+def recv_message(sock: socket.socket, deadline: Optional[float] = None) -> Optional[dict]:
+    """The next message, or None at a clean end of stream. `deadline` (time.monotonic()): the
+    whole message by then, however slowly its bytes come (socket.timeout past it)."""
+    head = _recv_exact(sock, _LEN.size, eof_ok=True, deadline=deadline)
     if head is None:
         return None
     (size,) = _LEN.unpack(head)
     if size > MAX_MESSAGE:
         raise ValueError(f"channel message of {size} bytes exceeds {MAX_MESSAGE}")
-    obj = json.loads(_recv_exact(sock, size, eof_ok=False).decode())
+    obj = json.loads(_recv_exact(sock, size, eof_ok=False, deadline=deadline).decode())
     if not isinstance(obj, dict):
         raise ValueError("channel message is not a JSON object")
     return obj
 
 
-def _recv_exact(sock: socket.socket, n: int, eof_ok: bool) -> Optional[bytes]:
+def _recv_exact(sock: socket.socket, n: int, eof_ok: bool,
+                deadline: Optional[float] = None) -> Optional[bytes]:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("channel message not received in time")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             if eof_ok and not buf:
@@ -85,15 +95,18 @@ def _recv_exact(sock: socket.socket, n: int, eof_ok: bool) -> Optional[bytes]:
 
 # ---- shard side --------------------------------------------------------------------------------
 PushHandler = Callable[[str, int, bool, Optional[str]], dict]
+PrecheckHandler = Callable[[str, bool], None]
 
 
 class PushChannelServer:
     """Listens on 127.0.0.1:0 and serves authenticated connections, one thread each (at most
     `MAX_CONNECTIONS`); `handler(layout_id, version, allow_partial, pause_mode)` returns the
-    reply's fields, and any exception it raises is answered as {error_type, message}."""
+    reply's fields, `precheck(layout_id, allow_partial)` raises what a push would before its
+    first write, and any exception either raises is answered as {error_type, message}."""
 
-    def __init__(self, handler: PushHandler, host: str = LOOPBACK):
-        self._handler = handler
+    def __init__(self, handler: PushHandler, precheck: Optional[PrecheckHandler] = None,
+                 host: str = LOOPBACK):
+        self._handler, self._precheck = handler, precheck
         self.token = secrets.token_hex(32)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
@@ -126,8 +139,8 @@ class PushChannelServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(AUTH_TIMEOUT_S)
-            hello = recv_message(conn)
+            # the token within AUTH_TIMEOUT_S in all (a peer trickling bytes holds no slot)
+            hello = recv_message(conn, deadline=time.monotonic() + AUTH_TIMEOUT_S)
             token = hello.get("token") if hello else None
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
                 send_message(conn, {"ok": False, "error_type": "AuthError", "message": "bad token"})
@@ -150,6 +163,11 @@ class PushChannelServer:
         op = request.get("op")
         if op == "ping":
             return {"ok": True}
+        if op == "precheck" and self._precheck is not None:
+            layout_id, allow_partial = request.get("layout_id"), request.get("allow_partial", False)
+            if not isinstance(layout_id, str) or len(layout_id) > 128 or not isinstance(allow_partial, bool):
+                return {"ok": False, "error_type": "ValueError", "message": "malformed precheck request"}
+            return self._typed(lambda: self._precheck(layout_id, allow_partial) or {})
         if op != "push":
             return {"ok": False, "error_type": "ValueError", "message": f"unknown op {op!r}"}
         layout_id, version = request.get("layout_id"), request.get("version")
@@ -158,8 +176,12 @@ class PushChannelServer:
                 or not isinstance(version, int) or not isinstance(allow_partial, bool)
                 or not (pause_mode is None or isinstance(pause_mode, str))):
             return {"ok": False, "error_type": "ValueError", "message": "malformed push request"}
+        return self._typed(lambda: self._handler(layout_id, version, allow_partial, pause_mode))
+
+    @staticmethod
+    def _typed(fn: Callable[[], dict]) -> dict:
         try:
-            return {"ok": True, **self._handler(layout_id, version, allow_partial, pause_mode)}
+            return {"ok": True, **fn()}
         except Exception as e:  # noqa: BLE001 — typed back to the caller, who re-raises it
             return {"ok": False, "error_type": type(e).__name__, "message": str(e)}
 
@@ -229,6 +251,10 @@ class PushChannelClient:
 def push_request(layout_id: str, version: int, allow_partial: bool, pause_mode: Optional[str]) -> dict:
     return {"op": "push", "layout_id": layout_id, "version": int(version),
             "allow_partial": bool(allow_partial), "pause_mode": pause_mode}
+
+
+def precheck_request(layout_id: str, allow_partial: bool) -> dict:
+    return {"op": "precheck", "layout_id": layout_id, "allow_partial": bool(allow_partial)}
 
 
 def send_all(clients: list[PushChannelClient], request: dict) -> list[Any]:

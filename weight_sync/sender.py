@@ -27,6 +27,7 @@ from weight_sync.ipc_layout import IpcLayoutUnknownError
 from weight_sync.ipc_registry import IpcRegistry
 from weight_sync.process_group import GroupAddress, WeightSyncGroup, free_port
 from weight_sync.spec import specs_of
+from weight_sync.update_args import check_pause_mode
 
 logger = logging.getLogger(__name__)
 TRANSPORTS = ("disk", "nccl", "tensor", "ipc")
@@ -76,6 +77,7 @@ class WeightSender:
              allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
         """Send every (HF name, full tensor); returns the target's new weight version.
         `pause_mode` (abort | retract | in_place) overrides the target's for this update."""
+        check_pause_mode(pause_mode)
         self._pause_mode = pause_mode
         if self.transport == "ipc":  # the registry checks (and, to register, detaches) them
             named = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
@@ -144,10 +146,32 @@ class WeightSender:
             return send(reg.layout)
 
     def _push_nccl(self, named, version, allow_partial) -> int:
+        if not named:  # nothing to broadcast: a version bump, as the tensor path does it
+            return self._push_tensor(named, version, allow_partial)
         tensors = dict(named)
         manifest = self._checked_manifest(specs_of(named), allow_partial)
+        self._ensure_group(next(iter(tensors.values())).device)
+        try:
+            return self._broadcast(manifest, tensors, version, allow_partial)
+        except BaseException:
+            self._drop_group()
+            raise
+
+    def _drop_group(self) -> None:
+        """After a failed broadcast either side's group may be broken (a receiver that refused
+        the update never took part in its collectives): both leave it, and the next push makes
+        a new one instead of failing on the old one for good."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()
+        try:
+            self.target.destroy_weights_update_group()
+        except Exception as e:  # noqa: BLE001 — the push's own error is the one to raise
+            logger.warning("destroy_weights_update_group after a failed push: %s", e)
+
+    def _broadcast(self, manifest: UpdateManifest, tensors: dict, version: int,
+                   allow_partial: bool) -> int:
         device = next(iter(tensors.values())).device
-        self._ensure_group(device)
         t0 = time.perf_counter()
         receiver = _Call(lambda: self.target.update_weights_from_distributed(
             manifest, version=version, allow_partial=allow_partial,
