@@ -196,7 +196,7 @@ class ControllerWeightsMixin:
         rebuilt one that lost it would otherwise leave the others stale): over the channels,
         and through Ray for the replicas without one (a channel that fails now joins them)."""
         replies = send_all([clients[r.index] for r in fast], precheck_request(ref.layout_id, allow_partial))
-        still_fast = []
+        still_fast, errors = [], []
         for replica, reply in zip(fast, replies):
             if isinstance(reply, PushChannelError):
                 self._drop_channel(replica.index)
@@ -204,7 +204,9 @@ class ControllerWeightsMixin:
             elif reply.get("ok"):
                 still_fast.append(replica)
             else:
-                raise _typed_error(reply)
+                errors.append(_typed_error(reply))
+        if errors:  # (after every reply is read: a failed channel is dropped, not left cached)
+            raise errors[0]
         if slow:
             slow = self._precheck_everywhere("ipc", ref, allow_partial, slow)
         return still_fast, slow

@@ -85,9 +85,11 @@ class RolloutShard:
     _exit_process = staticmethod(os._exit)
 
     # ---- work (leader) ----------------------------------------------------------------------
+    @ray.method(concurrency_group="generate")
     def generate(self, prompts, sampling_params=None, **kw: Any):
         return self._leader().generate(prompts, sampling_params, **kw)
 
+    @ray.method(concurrency_group="generate")
     def prefill_logits(self, prompts):
         return self._leader().prefill_logits(prompts)
 
@@ -263,5 +265,9 @@ def _fetched(kind: str, payload):
     return payload
 
 
-# A threaded actor: status()/shutdown() and weight updates run while generate() is busy.
-RolloutShardActor = ray.remote(max_concurrency=4)(RolloutShard)
+# A threaded actor: status()/shutdown() and weight updates run while generate() is busy. The
+# calls that wait for the engine (generate, prefill_logits: one at a time) have threads of their
+# own, so however many arrive they never take the threads that a weight update's pause → load →
+# commit → resume, or status and shutdown, need (they would wait for a resume no thread is left
+# to run).
+RolloutShardActor = ray.remote(max_concurrency=4, concurrency_groups={"generate": 32})(RolloutShard)

@@ -86,21 +86,14 @@ def _generate(a) -> int:
                 prompts.append(prompt)
                 params.append(sp)
                 lines.append(line_no)
-    tmp = _output_sibling(a.output)
+    _check_writable(a.output)
+    engine = Engine(EngineConfig(model_path=a.model, device=a.device, dtype=a.dtype, seed=a.seed,
+                                 kv_cache_tokens=a.kv_cache_tokens))
     try:
-        engine = Engine(EngineConfig(model_path=a.model, device=a.device, dtype=a.dtype, seed=a.seed,
-                                     kv_cache_tokens=a.kv_cache_tokens))
-        try:
-            outs = engine.generate(prompts, params, progress=a.progress)
-        except (InvalidRequestError, KVCacheBudgetError) as e:
-            raise SystemExit(_with_line(str(e), lines))
-        with open(tmp, "w") as f:
-            for o in outs:
-                f.write(json.dumps(_output_record(o)) + "\n")
-        os.replace(tmp, a.output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        outs = engine.generate(prompts, params, progress=a.progress)
+    except (InvalidRequestError, KVCacheBudgetError) as e:
+        raise SystemExit(_with_line(str(e), lines))
+    _write_lines(a.output, [json.dumps(_output_record(o)) for o in outs])
     print(f"wrote {len(outs)} samples to {a.output}", file=sys.stderr)
     return 0
 
@@ -126,16 +119,44 @@ def _parse_line(line: str, line_no: int, defaults: dict):
         raise SystemExit(f"input line {line_no}: {e}")
 
 
-def _output_sibling(output: str) -> str:
-    """A new file beside `output` (so a missing or read-only directory fails now, not after
-    the run, and the rename into place is atomic)."""
+def _check_writable(output: str) -> None:
+    """Before the run: the output can be written (an existing file, or a new one in its
+    directory)."""
+    target = output if os.path.exists(output) else (os.path.dirname(os.path.abspath(output)))
+    if not os.path.exists(target) or not os.access(target, os.W_OK):
+        raise SystemExit(f"cannot write the output {output}: "
+                         f"{'not writable' if os.path.exists(target) else 'no such directory'}")
+
+
+def _write_lines(output: str, lines: list[str]) -> None:
+    """A regular file appears whole or not at all (written beside it with its mode, then renamed
+    into place); anything else — a symlink, a device, a directory that takes no new file — is
+    written as it is."""
     directory = os.path.dirname(os.path.abspath(output))
+    plain = not os.path.lexists(output) or (os.path.isfile(output) and not os.path.islink(output))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", dir=directory)
-    except OSError as e:
-        raise SystemExit(f"cannot write the output {output}: {e}")
-    os.close(fd)
-    return tmp
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", dir=directory) if plain \
+            else (None, None)
+    except PermissionError:
+        fd, tmp = None, None
+    if tmp is None:
+        with open(output, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+        os.chmod(tmp, os.stat(output).st_mode & 0o7777 if os.path.exists(output) else _default_mode())
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _with_line(message: str, lines: list[int]) -> str:

@@ -142,6 +142,7 @@ class Engine(EngineWeightsMixin):
             scheduler, runner, complete = self.scheduler, self.runner, False
             try:
                 with self.gate.exclusive():
+                    self._check_ready()  # not fenced meanwhile: then its abort would miss these
                     for r in reqs:
                         scheduler.add(r)
                 with progress_bar(len(reqs), show) as bar:

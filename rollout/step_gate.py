@@ -71,7 +71,12 @@ class StepGate:
         me = threading.get_ident()
         with self._cv:
             self._paused += 1
-            self._cv.wait_for(lambda: self._holder is None or self._holder == me)
+            try:
+                self._cv.wait_for(lambda: self._holder is None or self._holder == me)
+            except BaseException:  # interrupted (Ctrl-C): not left paused
+                self._paused -= 1
+                self._cv.notify_all()
+                raise
 
     def resume(self) -> None:
         with self._cv:

@@ -110,9 +110,10 @@ class TPLeaderEngine(Engine):
 
     def shutdown(self) -> None:
         try:
-            if not self._stopped:
-                self._stopped = True
-                self._channel.send(StopMessage())  # fails if a follower is gone: shut down anyway
+            with self.gate.exclusive():  # between two steps: the stop never splits a step's messages
+                if not self._stopped:
+                    self._stopped = True
+                    self._channel.send(StopMessage())  # fails if a follower is gone: shut down anyway
         finally:
             super().shutdown()
 

@@ -59,3 +59,20 @@ def test_generate_bad_lines_and_outputs_fail_first_and_name_the_line(tiny_dirs, 
     inp.write_text('{"prompt_token_ids": [5, 6]}\n')
     with pytest.raises(SystemExit, match="cannot write the output"):
         main(["generate", "--model", path, "--input", str(inp), "--output", str(tmp_path / "no" / "o.jsonl")])
+
+
+def test_generate_writes_through_a_symlink_and_keeps_the_file_mode(tiny_dirs, tmp_path):
+    import os
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6]}\n')
+    real, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    real.write_text("old\n")
+    os.chmod(real, 0o640)
+    link.symlink_to(real)
+    args = ["generate", "--model", path, "--input", str(inp), "--max-new-tokens", "2"]
+    assert main(args + ["--output", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["prompt_index"] == 0
+    assert main(args + ["--output", str(real)]) == 0
+    assert (os.stat(real).st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "link.jsonl", "real.jsonl"]

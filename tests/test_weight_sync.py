@@ -211,6 +211,8 @@ def test_a_broadcast_the_receiver_refused_leaves_the_next_push_working(tiny_dirs
     sender = WeightSender(engine, "nccl", bucket_bytes=64 << 10, group_timeout_s=5)
     with pytest.raises(WeightUpdateError, match="pause_mode must be one of"):
         sender.push(trainer.named_parameters(), pause_mode="later")  # before any byte moves
+    with pytest.raises(WeightUpdateError, match="version must be a non-negative int"):
+        sender.push(trainer.named_parameters(), version=2.0)
     assert sender.group is None and engine.updater.incomplete_reason is None
     perturb(trainer, seed=12)
     named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]

@@ -27,7 +27,7 @@ from weight_sync.ipc_layout import IpcLayoutUnknownError
 from weight_sync.ipc_registry import IpcRegistry
 from weight_sync.process_group import GroupAddress, WeightSyncGroup, free_port
 from weight_sync.spec import specs_of
-from weight_sync.update_args import check_pause_mode
+from weight_sync.update_args import check_pause_mode, next_version
 
 logger = logging.getLogger(__name__)
 TRANSPORTS = ("disk", "nccl", "tensor", "ipc")
@@ -77,13 +77,13 @@ class WeightSender:
              allow_partial: bool = False, pause_mode: Optional[str] = None) -> int:
         """Send every (HF name, full tensor); returns the target's new weight version.
         `pause_mode` (abort | retract | in_place) overrides the target's for this update."""
-        check_pause_mode(pause_mode)
+        check_pause_mode(pause_mode)  # both before any byte moves
+        version = next_version(self.target.weight_version, version)
         self._pause_mode = pause_mode
         if self.transport == "ipc":  # the registry checks (and, to register, detaches) them
             named = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
         else:
             named = [(n, t.detach()) for n, t in named_tensors]
-        version = self.target.weight_version + 1 if version is None else version
         start = time.perf_counter()
         if self.bucket_bytes is None and self.transport != "disk":  # disk writes files, not buckets
             self.bucket_bytes, self.bucket_source = resolve_bucket_bytes(self.target, None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from typing import Optional
 
+import torch
+
 from weight_sync.errors import WeightUpdateError
 
 # abort: in-flight requests end now with their tokens; retract: back to the queue, their KV
@@ -19,7 +21,8 @@ def next_version(current: int, version: Optional[int]) -> int:
     if version is None:
         return current + 1
     try:  # ints, and what stands for one: a numpy integer, a 0-d integer tensor (a step counter)
-        value = operator.index(version) if not isinstance(version, bool) else -1
+        boolean = isinstance(version, bool) or getattr(version, "dtype", None) == torch.bool
+        value = -1 if boolean else operator.index(version)
     except TypeError:
         value = -1
     if value < 0:

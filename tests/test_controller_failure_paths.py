@@ -1,6 +1,8 @@
-"""Spec: a replica rebuild that fails after its new actors and placement group exist removes
-them (CPU, local Ray): the replica is `dead`, the call that found the failure still returns every
-sample, and nothing of the failed rebuild holds the cluster's resources."""
+"""Spec: the controller's failure paths end, and clean up (CPU, local Ray). A replica rebuild
+that fails after its new actors and placement group exist removes them (the replica is `dead`,
+the call that found the failure still returns every sample); a TP follower whose loop failed
+exits, so its replica is rebuilt instead of its leader blocking; generate calls piling up during
+a TP weight update do not take the threads the update's own calls need."""
 from __future__ import annotations
 
 import time
@@ -73,3 +75,39 @@ def test_a_follower_whose_loop_failed_exits_so_the_replica_is_rebuilt_not_hung(t
             outs = ctl.generate_async([[1, 2, 3], [4, 5]], sp).result(timeout=90)  # not a hang
             assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
             assert all(o.rerun_after_failure for o in outs) and ctl.status()[0]["restarts"] == 1
+
+
+def test_many_generate_calls_during_a_tp_update_do_not_starve_it(tiny_dirs):
+    """A TP update is several Ray calls to the leader (pause, load, commit, resume). Generate
+    calls that arrive while it loads wait for the engine — in threads of their own, so the
+    update's calls still run: the update lands, then every call."""
+    import threading
+    from tests.helpers import hf_model
+    from tests.test_weight_sync import perturb
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=1024, tp_size=2)
+        with RolloutController(cfg, num_replicas=1, start_timeout_s=120) as ctl:
+            sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+            ctl.generate([[1, 2, 3]], sp)
+
+            def slow_follower_load(shard):
+                real = shard.updater.from_buckets
+
+                def slow(*args, **kwargs):
+                    time.sleep(3)
+                    return real(*args, **kwargs)
+                shard.updater.from_buckets = slow
+
+            ray.get(ctl.replicas[0].shards[1].__ray_call__.remote(slow_follower_load))
+            new = hf_model(tiny_dirs[ARCH])
+            perturb(new, seed=3)
+            result = {}
+            update = threading.Thread(target=lambda: result.update(
+                version=ctl.update_weights_from_tensor(list(new.named_parameters()))))
+            update.start()
+            time.sleep(1.0)  # paused, the follower loading
+            calls = [ctl.generate_async([[1, 2, 3]], sp) for _ in range(6)]
+            update.join(timeout=60)
+            assert not update.is_alive() and result["version"] == 1
+            outs = [c.result(timeout=60) for c in calls]
+            assert all(o[0].token_weight_versions == [1] * 3 for o in outs)
