@@ -120,12 +120,16 @@ def _parse_line(line: str, line_no: int, defaults: dict):
 
 
 def _check_writable(output: str) -> None:
-    """Before the run: the output can be written (an existing file, or a new one in its
-    directory)."""
-    target = output if os.path.exists(output) else (os.path.dirname(os.path.abspath(output)))
-    if not os.path.exists(target) or not os.access(target, os.W_OK):
-        raise SystemExit(f"cannot write the output {output}: "
-                         f"{'not writable' if os.path.exists(target) else 'no such directory'}")
+    """Before the run: the output opens for writing (nothing of it changed; a file this made is
+    removed again)."""
+    existed = os.path.lexists(output)
+    try:
+        with open(output, "a"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"cannot write the output {output}: {e}")
+    if not existed:
+        os.unlink(output)
 
 
 def _write_lines(output: str, lines: list[str]) -> None:
@@ -137,7 +141,7 @@ def _write_lines(output: str, lines: list[str]) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", dir=directory) if plain \
             else (None, None)
-    except PermissionError:
+    except OSError:  # no new file there (a directory without write permission): in place
         fd, tmp = None, None
     if tmp is None:
         with open(output, "w") as f:

@@ -30,6 +30,7 @@ from weight_sync.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
+UPDATE_WAIT_S = 600.0  # a call arriving while a weight update loads waits this long for it
 LOCK_WARN_S = 30.0  # a call waiting this long for the engine logs why, and again each time
 
 WEIGHTS_RELEASED = ("the weights were released by release_memory and are undefined after "
@@ -81,7 +82,7 @@ class Engine(EngineWeightsMixin):
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Last-token logits [len(prompts), vocab] (float32, CPU) of a fresh prefill of each
         prompt: what a trainer compares against its own model after a weight update."""
-        self._check_ready()
+        self._check_ready(wait_for_update=True)
         check_prompt_list(prompts)
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
         with self._engine_lock("prefill_logits()"):
@@ -122,7 +123,7 @@ class Engine(EngineWeightsMixin):
         `sample_index` say which it is). Validation happens before the first yield's work."""
         if unknown:
             raise InvalidRequestError(f"unknown generate() argument(s) {sorted(unknown)}")
-        self._check_ready()
+        self._check_ready(wait_for_update=True)
         reqs = self._requests.build(prompts, sampling_params)
         return self._run(reqs, self.config.show_progress if progress is None else progress)
 
@@ -207,7 +208,12 @@ class Engine(EngineWeightsMixin):
         with self.gate.exclusive():
             return self.scheduler.abort(rid) is not None
 
-    def _check_ready(self) -> None:
+    def _check_ready(self, wait_for_update: bool = False) -> None:
+        """Raises what keeps this engine from generating now. With `wait_for_update`, a weight
+        update that is loading (a moment, not a fault) is waited for first, up to
+        UPDATE_WAIT_S (only where no lock or gate is held)."""
+        if wait_for_update and self.updater.loading:
+            self.updater.wait_until_loaded(UPDATE_WAIT_S)
         if self.runner is None:
             raise EngineNotReadyError("this engine is shut down; create a new one")
         if self.runner.released:

@@ -74,7 +74,7 @@ class StepGate:
             try:
                 self._cv.wait_for(lambda: self._holder is None or self._holder == me)
             except BaseException:  # interrupted (Ctrl-C): not left paused
-                self._paused -= 1
+                self._paused = max(0, self._paused - 1)
                 self._cv.notify_all()
                 raise
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.engine import Engine
+from rollout.errors import EngineNotReadyError
 from rollout.forward_batch import SHARED_FIELDS, ForwardBatch, ForwardMode
 from rollout.model_runner import ModelRunner
 
@@ -105,6 +106,8 @@ class TPLeaderEngine(Engine):
         self._stopped = False
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self._stopped:  # the followers left their loop: a batch sent now would wait forever
+            raise EngineNotReadyError("this TP engine is shut down; create a new one")
         self._channel.send(BatchMessage.from_batch(fb))
         return super().forward(fb)
 

@@ -57,8 +57,10 @@ def test_generate_bad_lines_and_outputs_fail_first_and_name_the_line(tiny_dirs, 
             main(["generate", "--model", path, "--input", str(inp), "--output", str(out)])
         assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
     inp.write_text('{"prompt_token_ids": [5, 6]}\n')
-    with pytest.raises(SystemExit, match="cannot write the output"):
-        main(["generate", "--model", path, "--input", str(inp), "--output", str(tmp_path / "no" / "o.jsonl")])
+    for bad in (tmp_path / "no" / "o.jsonl", inp / "o.jsonl", tmp_path):  # no dir, a file, a dir
+        with pytest.raises(SystemExit, match="cannot write the output"):
+            main(["generate", "--model", path, "--input", str(inp), "--output", str(bad)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
 def test_generate_writes_through_a_symlink_and_keeps_the_file_mode(tiny_dirs, tmp_path):

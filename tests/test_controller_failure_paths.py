@@ -79,8 +79,8 @@ def test_a_follower_whose_loop_failed_exits_so_the_replica_is_rebuilt_not_hung(t
 
 def test_many_generate_calls_during_a_tp_update_do_not_starve_it(tiny_dirs):
     """A TP update is several Ray calls to the leader (pause, load, commit, resume). Generate
-    calls that arrive while it loads wait for the engine — in threads of their own, so the
-    update's calls still run: the update lands, then every call."""
+    calls that arrive while a follower loads wait at the paused engine — in threads of their
+    own, so the update's calls still run: the update lands, then every call."""
     import threading
     from tests.helpers import hf_model
     from tests.test_weight_sync import perturb

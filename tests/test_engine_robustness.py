@@ -254,3 +254,30 @@ def test_an_unexpected_error_mid_broadcast_leaves_the_engine_refusing(tiny_dirs,
     engine.updater.group = None
     engine.update_weights_from_tensor(list(trainer.named_parameters()))
     assert engine.generate(NEXT, SP)[0].token_weight_versions == [1] * 6
+
+
+def test_a_call_arriving_while_an_update_loads_waits_for_it(tiny_dirs, monkeypatch):
+    """An update that is loading is a moment, not a fault: a generate that arrives then waits
+    and runs on the new weights (it was refused with "a weight update is in progress")."""
+    import time as _time
+    engine = _engine(tiny_dirs, True)
+    trainer = hf_model(tiny_dirs[ARCH])
+    perturb(trainer, seed=8)
+    load = engine.runner.load_weights
+
+    def slow_load(weights):
+        _time.sleep(1.0)
+        return load(weights)
+
+    monkeypatch.setattr(engine.runner, "load_weights", slow_load)
+    update = threading.Thread(target=lambda: engine.update_weights_from_tensor(
+        list(trainer.named_parameters())))
+    update.start()
+    deadline = _time.monotonic() + 30
+    while not engine.updater.loading:
+        assert _time.monotonic() < deadline
+        _time.sleep(0.01)
+    with _fails_within(60):
+        out = engine.generate(NEXT, SP)[0]
+    update.join(timeout=30)
+    assert out.token_weight_versions == [1] * 6

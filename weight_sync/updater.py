@@ -9,6 +9,7 @@ recorded from that same load path."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Iterable, Optional, Protocol, Sequence, Union
 
@@ -45,6 +46,8 @@ class WeightUpdater:
     def __init__(self, target: WeightTarget, check_finite: bool = False):
         self.target, self.check_finite = target, check_finite
         self.incomplete_reason: Optional[str] = None
+        self._loading = threading.Condition()  # its predicate: a write phase is under way
+        self.loading = False
         self.group: Optional[WeightSyncGroup] = None
         self.ipc_layouts = IpcLayouts()
 
@@ -209,15 +212,28 @@ class WeightUpdater:
             raise WeightUpdateError(self.incomplete_reason) from e
         return self._done(count, allow_partial)
 
+    def wait_until_loaded(self, timeout_s: float) -> bool:
+        """Until no write phase is under way (a caller that would be refused only for the
+        moment an update loads waits for it); False if one still is after `timeout_s`."""
+        with self._loading:
+            return self._loading.wait_for(lambda: not self.loading, timeout_s)
+
+    def _set_loading(self, value: bool) -> None:
+        with self._loading:
+            self.loading = value
+            self._loading.notify_all()
+
     def _begin(self, allow_partial: bool) -> None:
         self.target.weights_changed()
         self._was_incomplete = self.incomplete_reason
         self.incomplete_reason = "a weight update is in progress"
+        self._set_loading(True)
 
     def _done(self, count: int, allow_partial: bool) -> int:
         self.target.weights_changed()
         # A partial update on top of an incomplete shard leaves it incomplete.
         self.incomplete_reason = self._was_incomplete if allow_partial else None
+        self._set_loading(False)
         return count
 
     def mark_incomplete(self, reason: str, log: bool = True) -> None:
@@ -229,6 +245,7 @@ class WeightUpdater:
         self.target.weights_changed()
         self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
                                   "complete update lands")
+        self._set_loading(False)
         if log:
             logger.error(self.incomplete_reason)
 
