@@ -140,10 +140,7 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
             raise EngineNotReadyError(f"memory {sorted(self._released)} is released (release_memory); "
                                       f"call resume_memory(tags={tuple(sorted(self._released))}) first")
         check_prompt_list(prompts)
-        params = params_list(sampling_params, len(prompts))
-        for sp in {id(sp): sp for sp in params}.values():  # before any part is dispatched
-            sp.check_for_model(self.model_config.vocab_size)
-        params = self._seeded(params)
+        params = self._seeded(params_list(sampling_params, len(prompts), self.model_config.vocab_size))
         call = _Call(prompts, params, progress)
         parts = self._assign(prompts, params)
         call.left = len(parts)

@@ -23,7 +23,6 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from rollout.config import PAUSE_MODES
 from rollout.errors import ConfigError, EngineNotReadyError
 from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
 from weight_sync.errors import WeightUpdateError
@@ -33,7 +32,7 @@ from weight_sync.process_group import GroupAddress
 from weight_sync.push_channel import (PushChannelClient, PushChannelError, PushChannelInfo, precheck_request,
                                       push_request, send_all)
 from weight_sync.spec import TensorSpec
-from weight_sync.update_args import next_version
+from weight_sync.update_args import check_pause_mode, next_version
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +155,7 @@ class ControllerWeightsMixin:
         Ray (`_update_single_rank`: a dead shard goes to recovery); typed errors from a shard
         (`WeightUpdateError`, `IpcLayoutUnknownError`) are raised after every replica answered,
         as on the Ray path. None: not applicable (TP replicas, or no channel at all)."""
-        if pause_mode is not None and pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        check_pause_mode(pause_mode, ConfigError)
         with self._weights_lock:
             targets = self._serving_replicas()
             if not targets or any(r.tp_size != 1 for r in targets):
@@ -257,8 +255,7 @@ class ControllerWeightsMixin:
         """Over the replicas that take updates (alive, and stale ones waiting for one), under the
         weights lock (a rebuilt replica catches up before or after, never during). A replica
         whose shard dies on the way goes to recovery; the update goes on for the others."""
-        if pause_mode is not None and pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        check_pause_mode(pause_mode, ConfigError)
         with self._weights_lock:
             new_version = next_version(self._weight_version, version)
             targets = self._serving_replicas()

@@ -80,9 +80,7 @@ class RolloutShard:
             # channel's group allows days: followers idle between calls). Exiting closes the
             # sockets: the leader's next collective fails at once, and the controller, which
             # finds this shard dead, rebuilds the replica.
-            self._exit_process(1)
-
-    _exit_process = staticmethod(os._exit)
+            os._exit(1)
 
     # ---- work (leader) ----------------------------------------------------------------------
     @ray.method(concurrency_group="generate")

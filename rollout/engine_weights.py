@@ -11,14 +11,13 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from rollout.config import PAUSE_MODES
 from rollout.errors import ConfigError
 from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
 from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
 from weight_sync.spec import TensorSpec
-from weight_sync.update_args import next_version
+from weight_sync.update_args import check_pause_mode, next_version
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -100,7 +99,7 @@ class EngineWeightsMixin:
         pauses. The seconds of each phase are kept in `last_update_phases`."""
         with self._weights_lock:  # never while release_memory/resume_memory reshape the weights
             new_version = next_version(self.weight_version, version)
-            _check_pause_mode(pause_mode)
+            check_pause_mode(pause_mode, ConfigError)
             if precheck is not None:
                 precheck()
             t0 = time.perf_counter()
@@ -124,7 +123,7 @@ class EngineWeightsMixin:
         """Stop generation at a step boundary; in-flight requests are aborted, retracted (KV
         recomputed later under the new weights) or kept (`in_place`) by `pause_mode`."""
         mode = pause_mode or self.config.pause_mode
-        _check_pause_mode(mode)
+        check_pause_mode(mode, ConfigError)
         self.gate.pause()
         try:
             with self.gate.exclusive():  # (an abort from another thread waits for this)
@@ -160,8 +159,3 @@ class EngineWeightsMixin:
             yield
         finally:
             self.resume_generation()
-
-
-def _check_pause_mode(mode: Optional[str]) -> None:
-    if mode is not None and mode not in PAUSE_MODES:
-        raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {mode!r}")

@@ -39,9 +39,7 @@ class RequestBuilder:
 
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
         check_prompt_list(prompts)
-        per_prompt = params_list(params, len(prompts))
-        for sp in {id(sp): sp for sp in per_prompt}.values():
-            sp.check_for_model(self.limits.vocab_size)
+        per_prompt = params_list(params, len(prompts), self.limits.vocab_size)
         ids, arrays = self._encode_all(prompts)
         groups = prompt_groups(arrays, per_prompt) if self.share_prompt_kv else [None] * len(ids)
         return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))
@@ -183,7 +181,15 @@ def resolve_seed(sp: SamplingParams, rng: random.Random) -> int:
     return sp.seed if sp.seed is not None else rng.getrandbits(63)
 
 
-def params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
+def params_list(params: ParamsArg, n: int, vocab_size: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each checked against the model (`check_for_model`)."""
+    out = _params_list(params, n)
+    for sp in {id(sp): sp for sp in out}.values():  # usually one object for every prompt
+        sp.check_for_model(vocab_size)
+    return out
+
+
+def _params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, (SamplingParams, dict)):

@@ -31,8 +31,9 @@ def next_version(current: int, version: Optional[int]) -> int:
     return value
 
 
-def check_pause_mode(pause_mode: Optional[str]) -> None:
-    """None (the target's configured mode) or one of PAUSE_MODES: a sender checks before any
-    byte moves (a broadcast the receiver refused would wait out its timeout)."""
+def check_pause_mode(pause_mode: Optional[str], error: type[Exception] = WeightUpdateError) -> None:
+    """None (the target's configured mode) or one of PAUSE_MODES, else `error` (the engine and
+    the controller raise ConfigError; a sender checks before any byte moves, as a broadcast the
+    receiver refused would wait out its timeout)."""
     if pause_mode is not None and pause_mode not in PAUSE_MODES:
-        raise WeightUpdateError(f"pause_mode must be one of {PAUSE_MODES} (or None), got {pause_mode!r}")
+        raise error(f"pause_mode must be one of {PAUSE_MODES} (or None), got {pause_mode!r}")

@@ -25,6 +25,7 @@ from weight_sync.process_group import GroupAddress, WeightSyncGroup, WeightSyncG
 from weight_sync.spec import TensorSpec
 
 logger = logging.getLogger(__name__)
+LOADING = "a weight update is in progress"  # incomplete_reason during a write phase
 
 
 class WeightTarget(Protocol):
@@ -46,8 +47,7 @@ class WeightUpdater:
     def __init__(self, target: WeightTarget, check_finite: bool = False):
         self.target, self.check_finite = target, check_finite
         self.incomplete_reason: Optional[str] = None
-        self._loading = threading.Condition()  # its predicate: a write phase is under way
-        self.loading = False
+        self._reason_changed = threading.Condition()  # wait_until_loaded's
         self.group: Optional[WeightSyncGroup] = None
         self.ipc_layouts = IpcLayouts()
 
@@ -212,28 +212,31 @@ class WeightUpdater:
             raise WeightUpdateError(self.incomplete_reason) from e
         return self._done(count, allow_partial)
 
+    @property
+    def loading(self) -> bool:
+        """A write phase is under way."""
+        return self.incomplete_reason == LOADING
+
     def wait_until_loaded(self, timeout_s: float) -> bool:
         """Until no write phase is under way (a caller that would be refused only for the
         moment an update loads waits for it); False if one still is after `timeout_s`."""
-        with self._loading:
-            return self._loading.wait_for(lambda: not self.loading, timeout_s)
+        with self._reason_changed:
+            return self._reason_changed.wait_for(lambda: not self.loading, timeout_s)
 
-    def _set_loading(self, value: bool) -> None:
-        with self._loading:
-            self.loading = value
-            self._loading.notify_all()
+    def _set_reason(self, reason: Optional[str]) -> None:
+        with self._reason_changed:
+            self.incomplete_reason = reason
+            self._reason_changed.notify_all()
 
     def _begin(self, allow_partial: bool) -> None:
         self.target.weights_changed()
         self._was_incomplete = self.incomplete_reason
-        self.incomplete_reason = "a weight update is in progress"
-        self._set_loading(True)
+        self._set_reason(LOADING)
 
     def _done(self, count: int, allow_partial: bool) -> int:
         self.target.weights_changed()
         # A partial update on top of an incomplete shard leaves it incomplete.
-        self.incomplete_reason = self._was_incomplete if allow_partial else None
-        self._set_loading(False)
+        self._set_reason(self._was_incomplete if allow_partial else None)
         return count
 
     def mark_incomplete(self, reason: str, log: bool = True) -> None:
@@ -243,9 +246,8 @@ class WeightUpdater:
 
     def _fail(self, reason: str, log: bool = True) -> None:
         self.target.weights_changed()
-        self.incomplete_reason = (f"weights are incomplete ({reason}); generation is refused until a "
-                                  "complete update lands")
-        self._set_loading(False)
+        self._set_reason(f"weights are incomplete ({reason}); generation is refused until a "
+                         "complete update lands")
         if log:
             logger.error(self.incomplete_reason)
 
