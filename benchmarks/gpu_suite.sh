@@ -75,6 +75,8 @@ for stage in "$@"; do
     # the 128-row decode GEMMs as CUTLASS kernels with clusters (TMA multicast of x) next to cuBLAS
     # and the Triton table; carry .cutlass_build (the library built here, and CUTLASS's headers
     # to build it again on the device when it does not load)
+    # batch 1's decoder stack as one persistent CUDA kernel, built by NVRTC on the device
+    mk34) run mk34 300 python3 benchmarks/gpu_megakernel.py --out "$OUT/megakernel.json" ${MK_ARGS:-} ;;
     cutlass33) if ! python3 -c "import ctypes; ctypes.CDLL('.cutlass_build/libgemm_probe.so')"; then
               run cutlass_build 300 python3 benchmarks/gpu_cutlass_gemm.py --build .cutlass_build \
               --cutlass-include .cutlass_build/cutlass/include --jobs 16; fi
