@@ -13,8 +13,8 @@ The kernel is compiled on the device by NVRTC (the library torch's CUDA wheels s
 `megakernel/cuda_module.py` loads and launches it through the driver API on torch's stream, so
 CUDA graphs capture it); --cubin-dir takes prebuilt cubins instead (`nvcc -cubin
 -arch=sm_90a -D...`, named as `build` names them). Configs: NSLOTS:EVICT_FIRST:MAX_INFLIGHT
-[:LL[:MIN_SPLIT]] (ring slots, L2 evict-first hint on the weight copies, copies in flight per SM,
-the tagged-word variant, fewest keys an attention split). --profile-* builds with -DPROFILE=1:
+[:MIN_SPLIT] (ring slots, L2 evict-first hint on the weight copies, copies in flight per SM,
+fewest keys an attention split; the tagged-word variant is in commit ff09a90). --profile-* builds with -DPROFILE=1:
 %globaltimer marks at every phase of every CTA and layer, the stream waits of consumers and
 producer, and each grid barrier's arrival spread and last-arrival-to-first-departure time.
 
@@ -44,7 +44,6 @@ from benchmarks.megakernel import cuda_module  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megakernel")
 SRC = os.path.join(HERE, "decode_b1.cu")
-SRC_LL = os.path.join(HERE, "decode_b1_ll.cu")
 H, I, HEADS, KVH, D, EPS, THETA = 1536, 8960, 12, 2, 128, 1e-6, 1e6
 NCW, NTHREADS, MAX_SPLITS, NMARK = 8, 288, 16, 24
 PHASES = ["rms1", "qkv", "B1", "attention", "B2", "merge", "o", "B3", "rms2", "gate_up", "B4",
@@ -152,13 +151,8 @@ def rotate_f(x, cos, sin):
 class MegaStep:
     """The kernel's buffers and its launch for one request."""
 
-    def __init__(self, kernel: cuda_module.CudaKernel, w: Weights, max_context: int, ll: bool = False):
-        self.k, self.w, self.ll = kernel, w, ll
-        if ll:  # tagged words (decode_b1_ll.cu), zeroed once: tag 0 never matches
-            self.qkv_ll = torch.zeros(QKV, dtype=torch.int32, device=DEV)
-            self.part_ll = torch.zeros(HEADS * MAX_SPLITS * (D + 2), dtype=torch.int64, device=DEV)
-            self.act_ll = torch.zeros(I, dtype=torch.int32, device=DEV)
-            self.h_ll = torch.zeros(H, dtype=torch.int32, device=DEV)
+    def __init__(self, kernel: cuda_module.CudaKernel, w: Weights, max_context: int):
+        self.k, self.w = kernel, w
         self.table = w.ptr_table()
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.qkv_buf = torch.zeros(QKV, dtype=BF, device=DEV)
@@ -177,8 +171,7 @@ class MegaStep:
 
     def __call__(self, h: torch.Tensor) -> None:
         s = self.scalars
-        bufs = ([self.qkv_ll, self.part_ll, self.act_ll, self.h_ll] if self.ll
-                else [self.qkv_buf, self.part, self.act])
+        bufs = [self.qkv_buf, self.part, self.act]
         self.k.launch(self.sms, NTHREADS, [
             self.table, h, self.out, self.w.final_ln, self.w.rope, s[0:1], s[1:2], s[2:3], s[3:4],
             self.req_to_token, self.req_to_token.shape[1], *bufs, self.counters, self.prof])
@@ -234,12 +227,11 @@ def time_graph(fn, replays: int = 50, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-def build(layers: int, nslots: int, evict_first: int, cubin_dir: str | None, ll: bool = False,
-          **extra):
+def build(layers: int, nslots: int, evict_first: int, cubin_dir: str | None, **extra):
     defines = dict(LAYERS=layers, NSLOTS=nslots, EVICT_FIRST=evict_first, **extra)
-    name = ("decode_b1_ll" if ll else "decode_b1") + f"_L{layers}_s{nslots}_e{evict_first}" + "".join(
+    name = f"decode_b1_L{layers}_s{nslots}_e{evict_first}" + "".join(
         f"_{k}{v}" for k, v in extra.items()) + ".cubin"
-    cubin, how = cuda_module.cubin_for(SRC_LL if ll else SRC, "decode_b1", defines,
+    cubin, how = cuda_module.cubin_for(SRC, "decode_b1", defines,
                                        os.path.join(cubin_dir, name) if cubin_dir else None)
     probe = cuda_module.CudaKernel(cubin, "smem_bytes_probe")
     n = torch.zeros(1, dtype=torch.int32, device=DEV)
@@ -248,15 +240,15 @@ def build(layers: int, nslots: int, evict_first: int, cubin_dir: str | None, ll:
     blocks = kernel.max_blocks_per_sm(NTHREADS)
     if blocks < 1:
         raise RuntimeError(f"{name}: does not fit on an SM")
-    return kernel, dict(ll=ll, built_by=how, registers=kernel.attribute(4), local_bytes=kernel.attribute(3),
+    return kernel, dict(built_by=how, registers=kernel.attribute(4), local_bytes=kernel.attribute(3),
                         smem=int(n.item()), blocks_per_sm=blocks, **defines)
 
 
-def profile(w: Weights, cubin_dir: str | None, inflight: int, ll: bool, n_ctx: int = 192) -> dict:
+def profile(w: Weights, cubin_dir: str | None, inflight: int, n_ctx: int = 192) -> dict:
     """Per-phase cycles of a layer (PROFILE build), for a CTA with an attention item and one
     without, averaged over layers 2..27; the stream waits of the consumers and the producer."""
-    kernel, info = build(28, 11, 1, cubin_dir, ll, MAX_INFLIGHT=inflight, MIN_SPLIT=16, PROFILE=1)
-    step = MegaStep(kernel, w, 8192, ll)
+    kernel, info = build(28, 11, 1, cubin_dir, MAX_INFLIGHT=inflight, MIN_SPLIT=16, PROFILE=1)
+    step = MegaStep(kernel, w, 8192)
     g = torch.Generator().manual_seed(n_ctx)
     perm = torch.randperm(w.slots - 1, generator=g)[:n_ctx] + 1
     step.set_request(n_ctx - 1, n_ctx, int(perm[-1]), perm.to(torch.int32).to(DEV))
@@ -300,11 +292,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cubin-dir", default=None)
-    ap.add_argument("--configs", default="11:1:2:0:16,11:1:1:0:16,11:1:2:0:64,11:1:2:1:16",
-                    help="NSLOTS:EVICT_FIRST:MAX_INFLIGHT[:LL[:MIN_SPLIT]] list")
+    ap.add_argument("--configs", default="11:1:2:16,11:1:1:16,11:1:2:64,8:1:2:16",
+                    help="NSLOTS:EVICT_FIRST:MAX_INFLIGHT[:MIN_SPLIT] list")
     ap.add_argument("--profile-inflight", type=int, default=2)
-    ap.add_argument("--profile-ll", type=int, default=0)
-    ap.add_argument("--check-2-layers-ll", type=int, default=0)
     ap.add_argument("--contexts", default="1,2,15,16,17,63,64,65,129,200,1000,1025,4097")
     args = ap.parse_args()
     res: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=[],
@@ -317,10 +307,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     try:
         w2 = Weights(2, 8192, seed=1)
-        ll2 = bool(args.check_2_layers_ll)
-        k2, info = build(2, 11, 1, args.cubin_dir, ll2, MAX_INFLIGHT=3)
+        k2, info = build(2, 11, 1, args.cubin_dir)
         res["build_2_layers"] = info
-        step = MegaStep(k2, w2, 8192, ll2)
+        step = MegaStep(k2, w2, 8192)
         for n in [int(c) for c in args.contexts.split(",")]:
             r = case(w2, step, n, seed=n)
             res["checks"].append(dict(layers=2, **r))
@@ -344,11 +333,11 @@ def main() -> None:
           res["lm_head_cublas_us"], flush=True)
     save()
     for cfg in args.configs.split(","):
-        nslots, evict, inflight, ll, min_split = (int(x) for x in (cfg.split(":") + ["0", "64"])[:5])
+        nslots, evict, inflight, min_split = (int(x) for x in (cfg.split(":") + ["16"])[:4])
         try:
-            k28, info = build(28, nslots, evict, args.cubin_dir, bool(ll), MAX_INFLIGHT=inflight,
+            k28, info = build(28, nslots, evict, args.cubin_dir, MAX_INFLIGHT=inflight,
                               MIN_SPLIT=min_split)
-            step = MegaStep(k28, w, 8192, bool(ll))
+            step = MegaStep(k28, w, 8192)
             entry = dict(info)
             if cfg == args.configs.split(",")[0]:
                 for n in (200, 1000):
@@ -377,7 +366,7 @@ def main() -> None:
             print(cfg, traceback.format_exc(), flush=True)
         save()
     try:
-        res["profile"] = profile(w, args.cubin_dir, args.profile_inflight, args.profile_ll)
+        res["profile"] = profile(w, args.cubin_dir, args.profile_inflight)
         print("profile", json.dumps(res["profile"], indent=1), flush=True)
     except Exception:
         res["profile_error"] = traceback.format_exc()

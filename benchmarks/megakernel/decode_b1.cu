@@ -22,7 +22,7 @@
 // reference as torch's bf16 path), but 46 µs a layer against the engine's kernel chain's ~32:
 // while the weight stream runs, a grid barrier takes 4-5.5 µs from its last arrival to its
 // first departure (0.85 µs when no copy is in flight), and a CTA's fresh stores reach another
-// CTA's loads no faster without one (a variant polling tagged data words instead), so the
+// CTA's loads no faster without one (decode_b1_ll.cu of ff09a90 polls tagged data words), so the
 // five handoffs a layer cost more than the chain's kernel boundaries under PDL. Not used by
 // the engine; kept as the record of that measurement.
 #ifndef HIDDEN
