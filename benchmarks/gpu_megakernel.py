@@ -204,27 +204,16 @@ def case(w: Weights, step: MegaStep, n_ctx: int, seed: int) -> dict:
 
 def time_graph(fn, replays: int = 50, rounds: int = 7) -> float:
     """Median µs of one fn() inside a CUDA graph of `replays` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from benchmarks.cuda_timing import replay_seconds
+    from rollout.graph_capture import capture_graph
+
+    def calls() -> torch.Tensor:
         for _ in range(replays):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / replays)
-    return statistics.median(times)
+        return torch.empty(0, device=DEV)
+
+    graph, _ = capture_graph(calls, None)
+    return statistics.median(replay_seconds(graph, 1) for _ in range(rounds)) * 1e6 / replays
 
 
 def build(layers: int, nslots: int, evict_first: int, cubin_dir: str | None, **extra):

@@ -638,6 +638,23 @@ __device__ __forceinline__ void merge_attention(const Step& st, int splits, Smem
   consumer_sync();
 }
 
+// The CTA's rows [r0, r1) of a K = HIDDEN matrix, RPS_H rows a slot, a warp a slot; lane j of
+// the warp hands row j's dot product to `epilogue(row, value)`
+template <class Epilogue>
+__device__ __forceinline__ void hidden_rows(Consumer& cn, int r0, int r1, const uint4* x, int lane,
+                                            Epilogue epilogue) {
+  const int units = (r1 - r0 + RPS_H - 1) / RPS_H;
+  for (int u = cn.warp; u < units; u += NCW) {
+    const int r = r0 + u * RPS_H, n = min(RPS_H, r1 - r);
+    const uint4* w = cn.take(cn.base + u);
+    float acc[RPS_H];
+    rows_dot<RPS_H>(w, x, HIDDEN / 8, n, lane, acc);
+    cn.give_back(cn.base + u);
+    if (lane < n) epilogue(r + lane, pick<RPS_H>(acc, lane));
+  }
+  cn.base += units;
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
 __device__ void consume(const Step& st, Ring ring, Smem sm, int ctid) {
@@ -674,24 +691,12 @@ __device__ void consume(const Step& st, Ring ring, Smem sm, int ctid) {
     // qkv
     rms_norm_to_smem(st.h, L.ln1, sm, ctid);
     MARK(1);
-    {
-      const int units = (q1 - q0 + RPS_H - 1) / RPS_H;
-      for (int u = cn.warp; u < units; u += NCW) {
-        const int r = q0 + u * RPS_H, n = min(RPS_H, q1 - r);
-        const uint4* w = cn.take(cn.base + u);
-        float acc[RPS_H];
-        rows_dot<RPS_H>(w, x, HIDDEN / 8, n, lane, acc);
-        cn.give_back(cn.base + u);
-        if (lane < n) {
-          float v = pick<RPS_H>(acc, lane);
+    hidden_rows(cn, q0, q1, x, lane, [&](int row, float v) {
 #if QKV_BIAS
-          v += bf2f(L.b_qkv[r + lane]);
+      v += bf2f(L.b_qkv[row]);
 #endif
-          st.qkv_buf[r + lane] = f2bf(v);
-        }
-      }
-      cn.base += units;
-    }
+      st.qkv_buf[row] = f2bf(v);
+    });
     MARK(2);
     WAITED(15);
     if (has_item) attn_load(L, a, it, nb0, ctid);  // in flight across the barrier
@@ -705,22 +710,11 @@ __device__ void consume(const Step& st, Ring ring, Smem sm, int ctid) {
     // o, residual
     merge_attention(st, splits, sm, ctid);
     MARK(6);
-    {
-      const int units = (h1 - h0 + RPS_H - 1) / RPS_H;
-      for (int u = cn.warp; u < units; u += NCW) {
-        const int r = h0 + u * RPS_H, n = min(RPS_H, h1 - r);
-        const uint4* w = cn.take(cn.base + u);
-        float acc[RPS_H];
-        rows_dot<RPS_H>(w, x, HIDDEN / 8, n, lane, acc);
-        cn.give_back(cn.base + u);
-        if (lane < n) {
-          const float hn = round_bf(sm.h_own[r + lane - h0] + round_bf(pick<RPS_H>(acc, lane)));
-          sm.h_own[r + lane - h0] = hn;
-          st.h[r + lane] = f2bf(hn);
-        }
-      }
-      cn.base += units;
-    }
+    hidden_rows(cn, h0, h1, x, lane, [&](int row, float v) {
+      const float hn = round_bf(sm.h_own[row - h0] + round_bf(v));
+      sm.h_own[row - h0] = hn;
+      st.h[row] = f2bf(hn);
+    });
     MARK(7);
     WAITED(16);
     grid_barrier(st.counters, barrier++, st.epoch, ctid);
