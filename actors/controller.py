@@ -229,6 +229,22 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
         else:
             call.result.set_result(sorted(call.outs, key=lambda o: (o.prompt_index, o.sample_index)))
 
+    def abort_all(self) -> int:
+        """End every request the replicas hold now (`Engine.abort_all` on each leader): the
+        generate calls in flight return at once, their unfinished samples with the tokens they
+        have and finish_reason "abort". Returns how many requests were ended."""
+        self._check_open()
+        refs: dict[int, ray.ObjectRef] = {}
+
+        def call(replica):
+            refs[replica.index] = replica.leader.abort_all.remote()
+            return refs[replica.index]
+
+        ended, failed = self._gather(self._serving_replicas(), call, "abort_all")
+        if failed:
+            raise failed[0][1]
+        return sum(ray.get(refs[r.index]) for r in ended)
+
     def prefill_logits(self, prompts: Sequence[Sequence[int]], replica: int = 0):
         """Last-token logits of a fresh prefill on one replica (see Engine.prefill_logits)."""
         return ray.get(self.replicas[replica].leader.prefill_logits.remote(prompts))

@@ -106,6 +106,10 @@ class RolloutShard:
     def commit_weights(self, version: int) -> None:
         self._leader().commit_weight_version(version)
 
+    def abort_all(self) -> int:
+        """Leader: Engine.abort_all (the default concurrency group: it runs beside a generate)."""
+        return self._leader().abort_all()
+
     def abort_if_incomplete(self, reason: Optional[str] = None) -> None:
         """Leader, after a failed update: `reason` says another rank of this replica failed."""
         if reason is not None:

@@ -201,6 +201,15 @@ class Engine(EngineWeightsMixin):
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
         return GenerateOutput.from_request(req, self.weight_version, text)
 
+    def abort_all(self) -> int:
+        """End every request this engine holds now, running or queued in its scheduler, from
+        any thread: each comes back from its generate call with the tokens it has and
+        finish_reason "abort" — how a caller with enough samples stops the rest without losing
+        them (dynamic sampling, over-sampling, partial rollouts). A call still waiting for the
+        engine is not touched. Returns how many requests were ended."""
+        with self.gate.exclusive():
+            return len(self.scheduler.abort_all())
+
     def abort(self, rid: int) -> bool:
         """End request `rid` (the scheduler's id) now: it returns with the tokens it has,
         finish_reason "abort". Safe from any thread: it runs between two steps. False if no

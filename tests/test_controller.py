@@ -4,11 +4,15 @@
   config and seeds: greedy, seeded sampling with n > 1, string prompts, and prompts without a
   seed (the controller draws their seeds exactly as an Engine does).
 - All n samples of a prompt run on one replica; the async forms give the same outputs.
+- `abort_all` ends the calls in flight on every replica: each returns all its samples, the
+  unfinished ones with a prefix of what the engine returns for the same seeds.
 - A tp_size that does not divide the heads, more bundles than the cluster has, or a placement
   that cannot complete: a typed error, and nothing left in the cluster."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 import torch
@@ -122,6 +126,28 @@ def test_async_forms_equal_generate(controllers, engine):
     assert_same(got[0], engine.generate(RAGGED[:4], sps))
     assert_same(got[1], engine.generate(RAGGED[4:], sps))
     assert_same(asyncio.run(ctl.agenerate(RAGGED[:4], sps)), got[0])
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_abort_all_ends_the_calls_in_flight_with_every_sample(controllers, engine, layout):
+    ctl = controllers[layout]
+    sps = [SamplingParams(max_new_tokens=900, temperature=1.0, seed=20 + i, ignore_eos=True)
+           for i in range(4)]
+    future = ctl.generate_async(RAGGED[:4], sps)
+    time.sleep(0.2)
+    ended, deadline = 0, time.monotonic() + 60
+    while ended < 4:  # a replica's call may not have reached its engine yet: again until it has
+        assert not future.done() and time.monotonic() < deadline, f"{ended} of 4 ended"
+        ended += ctl.abort_all()
+        time.sleep(0.02)
+    outs = future.result(timeout=60)
+    assert [o.prompt_index for o in outs] == [0, 1, 2, 3]
+    assert all(o.finish_reason == "abort" and len(o.token_ids) < 900 for o in outs)
+    longest = max(1, max(len(o.token_ids) for o in outs))
+    refs = engine.generate(RAGGED[:4], [dataclasses.replace(sp, max_new_tokens=longest) for sp in sps])
+    for o, r in zip(outs, refs):
+        assert o.token_ids == r.token_ids[:len(o.token_ids)]
+    assert ctl.abort_all() == 0
 
 
 def test_invalid_requests_raise_the_engines_errors(controllers):

@@ -165,6 +165,32 @@ def test_aborts_from_another_thread_lose_no_request_and_leak_no_kv(tiny_dirs, ov
         assert _whole(engine), f"call {call}"
 
 
+def test_abort_all_returns_every_sample_with_the_tokens_it_had(tiny_dirs, overlap, reference):
+    """A caller with enough samples ends the rest (dynamic sampling, partial rollouts): every
+    unfinished request comes back from its call at once, finish_reason "abort", its tokens and
+    logprobs a prefix of what the same seeded call returns when it runs to the end; nothing is
+    left behind."""
+    engine = _engine(tiny_dirs, overlap)
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=1, seed=1)] + [sp] * (len(PROMPTS) - 1)
+    full = {o.prompt_index: o for o in engine.generate(PROMPTS, params)}
+    outs, ended = [], None
+    for out in engine.generate_iter(PROMPTS, params):  # the one-token sample comes first
+        outs.append(out)
+        if ended is None:
+            ended = engine.abort_all()  # between two steps, from the caller's own thread
+    assert ended == len(PROMPTS) - 1
+    assert sorted(o.prompt_index for o in outs) == list(range(len(PROMPTS)))
+    for o in outs[1:]:
+        assert o.finish_reason == "abort" and len(o.token_ids) < 24
+        ref = full[o.prompt_index]
+        assert o.token_ids == ref.token_ids[:len(o.token_ids)]
+        assert o.logprobs == pytest.approx(ref.logprobs[:len(o.logprobs)], abs=1e-5)
+    assert engine.abort_all() == 0  # nothing held between calls
+    assert _whole(engine)
+    assert _tokens(engine.generate(NEXT, SP)) == reference
+
+
 def test_lost_kv_raises_instead_of_spinning_and_the_engine_recovers(tiny_dirs, overlap, reference):
     engine = _engine(tiny_dirs, overlap)
     alloc = engine.scheduler.alloc
