@@ -77,7 +77,6 @@
 #define XS_ELEMS (HIDDEN > INTER ? HIDDEN : INTER)
 #define RPS_H (SLOT_BYTES / (2 * HIDDEN))   // rows of a K=HIDDEN matrix per slot
 #define RPS_I (SLOT_BYTES / (2 * INTER))    // rows of a K=INTER matrix per slot
-#define PART_STRIDE (HEAD_DIM + 2)
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -142,7 +141,6 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 // cross-CTA data is read through L2 (ld.global.cg): L1 is not coherent between SMs
 __device__ __forceinline__ bf16_t ld_cg(const bf16_t* p) { return __ldcg(p); }
-__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NC) : "memory"); }
@@ -375,7 +373,6 @@ struct Smem {
   bf16_t* xs;     // the phase's input vector (XS_ELEMS); the attention's scratch past HIDDEN
   float* red;     // NCW floats
   float* h_own;   // this CTA's rows of the residual stream (it alone writes them)
-  float* wmerge;  // [HEADS][MAX_SPLITS]: the merge's weights
 };
 
 // xs = bf16(w * bf16(h * rstd)); h read once (one L2 round trip)
@@ -776,7 +773,7 @@ __device__ void consume(const Step& st, Ring ring, Smem sm, int ctid) {
 #define SMEM_RING (NSLOTS * SLOT_BYTES)
 #define SMEM_BARS (2 * NSLOTS * 8)
 #define SMEM_XS (XS_ELEMS * 2)
-#define SMEM_TOTAL (SMEM_RING + SMEM_BARS + SMEM_XS + NCW * 4 + MAX_OWN_ROWS * 4 + 2 * HEADS * MAX_SPLITS * 4)
+#define SMEM_TOTAL (SMEM_RING + SMEM_BARS + SMEM_XS + NCW * 4 + MAX_OWN_ROWS * 4)
 static_assert(ATT_OFFSET + 4 * (GQ * HEAD_DIM + 2 * HEAD_DIM + GQ * KEY_BLOCK + 3 * GQ + KEY_BLOCK) <= SMEM_XS,
               "the attention scratch fits in xs past the qkv input");
 
@@ -789,8 +786,7 @@ decode_b1(const LayerPtrs* layers, bf16_t* h, bf16_t* out, const bf16_t* final_l
   extern __shared__ __align__(128) unsigned char smem[];
   Ring ring{smem, (u64*)(smem + SMEM_RING), (u64*)(smem + SMEM_RING) + NSLOTS};
   unsigned char* rest = smem + SMEM_RING + SMEM_BARS;
-  Smem sm{(bf16_t*)rest, (float*)(rest + SMEM_XS), (float*)(rest + SMEM_XS + NCW * 4),
-          (float*)(rest + SMEM_XS + NCW * 4 + MAX_OWN_ROWS * 4)};
+  Smem sm{(bf16_t*)rest, (float*)(rest + SMEM_XS), (float*)(rest + SMEM_XS + NCW * 4)};
   const int tid = threadIdx.x;
   if (HIDDEN / gridDim.x + 1 > MAX_OWN_ROWS) __trap();  // more rows a CTA than h_own holds
   if (tid == 0) {
