@@ -39,6 +39,22 @@ class DecoderAttention(nn.Module):
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
         qk, v, kv_stored = (self._qkv_rotary_cuda(rope, x, fb) if x.is_cuda
                             else self._qkv_rotary_cpu(rope, x))
+        return self._attend(qk, v, kv_stored, fb)
+
+    def forward_normed(self, rope: tuple[torch.Tensor, torch.Tensor],
+                       h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm: RMSNorm,
+                       fb: ForwardBatch) -> tuple[Union[torch.Tensor, SplitSum], torch.Tensor]:
+        """(forward(norm(h + residual)), h + residual): at one row on CUDA the add + norm in the
+        qkv kernel where triton_norm_qkv_rope applies, else the norm's own kernel first."""
+        fused = self._fused_norm_qkv_rope(rope, h, residual, norm, fb)
+        if fused is None:
+            x, residual = norm(h, residual)
+            return self.forward(rope, x, fb), residual
+        qkv, residual = fused
+        return self._attend(*self._heads(qkv), True, fb), residual
+
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, kv_stored: bool,
+                fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         out = self.attn(q, k, v, fb, kv_stored)
         # o lets the kernels after it launch before its PDL wait, even at one row where its GEMV
@@ -98,6 +114,32 @@ class DecoderAttention(nn.Module):
         return triton_qkv_rope.qkv_rope(x, w, self.qkv_proj.bias, *rope, heads, KVStore(*target),
                                         cfg, out)
 
+    def _fused_norm_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor],
+                             h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
+                             norm: RMSNorm, fb: ForwardBatch
+                             ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(qkv rotated, new residual) from triton_norm_qkv_rope where it takes this row (and
+        the one-row qkv + rotary kernel would run: no q/k norm, the pool takes a fused store),
+        else None."""
+        w = self.qkv_proj.weight
+        if not (residual.is_cuda and self.q_norm is None and use_skinny(residual, w)):
+            return None
+        from rollout.layers import triton_norm_qkv_rope as fused, triton_qkv_rope
+        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
+        if (not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG)
+                or triton_qkv_rope.fused_config(residual, w, heads) is None):
+            return None
+        out = torch.empty(1, w.shape[0], dtype=residual.dtype, device=residual.device)
+        target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc,
+                                                         self._heads(out)[1])
+        if target is None:
+            return None
+        from rollout.layers.triton_ops import KVStore
+        new_residual = fused.norm_qkv_rope(h, residual, norm.weight, norm.eps, w,
+                                           self.qkv_proj.bias, *rope, heads, KVStore(*target),
+                                           out, fused.CONFIG)
+        return out, new_residual
+
     def _qkv_rotary_cpu(self, rope: tuple[torch.Tensor, torch.Tensor],
                         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         qk, v = self._heads(self.qkv_proj(x))
@@ -153,9 +195,10 @@ class DecoderLayer(nn.Module):
         residual=None. The same sums as `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
+            h = self.self_attn(rope, h, fb)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(rope, h, fb)
+            h, residual = self.self_attn.forward_normed(rope, h, residual, self.input_layernorm,
+                                                        fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
