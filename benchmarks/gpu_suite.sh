@@ -759,7 +759,8 @@ for stage in "$@"; do
     # engine's batch-1 samples with it off and on, then the engine A/B (ab_thirtyfifth_session)
     ab35spec) run ab35spec 240 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py \
               tests/test_triton_qkv_rope.py -p no:cacheprovider
-              run ab35samples 300 bash -c 'python3 benchmarks/sample_dump.py --batch 1 --new-tokens 128 --out $OUT/s35_off.json \
+              rm -f $OUT/*.log ;;
+    ab35samples) run ab35samples 300 bash -c 'python3 benchmarks/sample_dump.py --batch 1 --new-tokens 128 --out $OUT/s35_off.json \
               && ROLLOUT_FUSED_NORM_QKV=1,4 python3 benchmarks/sample_dump.py --batch 1 --new-tokens 128 --out $OUT/s35_1_4.json \
               && ROLLOUT_FUSED_NORM_QKV=4,8 python3 benchmarks/sample_dump.py --batch 1 --new-tokens 128 --out $OUT/s35_4_8.json \
               && python3 benchmarks/sample_dump.py --compare $OUT/s35_off.json $OUT/s35_1_4.json \
