@@ -768,6 +768,11 @@ for stage in "$@"; do
               rm -f $OUT/*.log ;;
     ab35a) ab_stage ab35a benchmarks/ab_thirtyfifth_session.json 560 1
               rm -f $OUT/*.log ;;
+    ab35b) ab_stage ab35b benchmarks/ab_thirtyfifth_session_b.json 300 1
+              rm -f $OUT/*.log ;;
+    # where batch 1's decode step goes now: every op ablated once (the fifteenth session's file)
+    abl35) ROUNDS=1 ab_stage abl35 benchmarks/ab_fifteenth_session_ablation.json 260 1
+              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
