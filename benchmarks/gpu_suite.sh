@@ -773,6 +773,9 @@ for stage in "$@"; do
     # where batch 1's decode step goes now: every op ablated once (the fifteenth session's file)
     abl35) ROUNDS=1 ab_stage abl35 benchmarks/ab_fifteenth_session_ablation.json 260 1
               rm -f $OUT/*.log ;;
+    ab35c) run ab35cspec 200 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py -p no:cacheprovider
+              ab_stage ab35c benchmarks/ab_thirtyfifth_session_c.json 380 1
+              rm -f $OUT/*.log ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
