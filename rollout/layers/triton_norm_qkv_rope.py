@@ -18,8 +18,13 @@ differ from torch's). The qkv sums, the rotary and the stores are `triton_qkv_ro
 the same bits for the same normed row. The new residual (the rounded sum) is exact: program 0
 writes it.
 
-ROLLOUT_FUSED_NORM_QKV: "0" off (default: not measured faster yet), or "PAIRS,WARPS" — rotation
-pairs a program (2·PAIRS weight rows) and its warps."""
+ROLLOUT_FUSED_NORM_QKV: "PAIRS,WARPS" — rotation pairs a program (2·PAIRS weight rows) and its
+warps; default "2,4" — or "0" off. On an H200 (thirty-fifth session, Qwen2-1.5B shapes, batch-1
+decode graph, engine alone; benchmarks/ab_thirtyfifth_session*.json): 1.0043 -> 0.9967 ms
+(ab35a), 1.0040 -> 0.9990 (ab35b, two rounds), 1.0045 -> 0.9962 (ab35c, two rounds); one
+pair a program 1.0012-1.0014, four 1.0077-1.0128, eight 1.0134; two pairs with 2 or 8 warps
+1.0027 / 1.0085. The bound, the norm without any kernel, 0.9887. The same fold into the one-row
+gate/up (4,480 programs) lost 12% (1.0045 -> 1.1243 ms, ab35c), as the fifth session's had."""
 from __future__ import annotations
 
 import os
@@ -54,7 +59,7 @@ def _parse(spec: str) -> Optional[NormQKVConfig]:
     return NormQKVConfig(pairs, warps)
 
 
-CONFIG = _parse(os.environ.get("ROLLOUT_FUSED_NORM_QKV", "0"))
+CONFIG = _parse(os.environ.get("ROLLOUT_FUSED_NORM_QKV", "2,4"))
 MAX_CHUNKS = 3  # the whole row is held in at most three K chunks (K = 1,536 = 3 × 512)
 
 

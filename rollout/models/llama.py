@@ -166,20 +166,6 @@ class MLP(nn.Module):
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
 
-    def forward_normed(self, h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[Union[torch.Tensor, SplitSum], torch.Tensor]:
-        """(forward(norm(h + residual)), h + residual): at one row on CUDA the add + norm in the
-        gate/up kernel where triton_norm_gate_up applies, else the norm's own kernel first."""
-        w = self.gate_up_proj.weight
-        if residual.is_cuda and self.gate_up_proj.bias is None and use_skinny(residual, w, True):
-            from rollout.layers import triton_norm_gate_up as fused
-            if fused.applies(h, residual, norm.weight, w, fused.ENABLED == "1"):
-                act, residual = fused.norm_gate_up_silu(h, residual, norm.weight, norm.eps, w,
-                                                        self.inter, fused.config_for(residual, w))
-                return self.down_proj(act, defer_split=True), residual
-        x, residual = norm(h, residual)
-        return self.forward(x), residual
-
     def activation_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
         w = self.gate_up_proj.weight
@@ -213,7 +199,8 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.self_attn.forward_normed(rope, h, residual, self.input_layernorm,
                                                         fb)
-        return self.mlp.forward_normed(h, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
     def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                     residual: Optional[torch.Tensor],
