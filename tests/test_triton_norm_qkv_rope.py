@@ -119,6 +119,24 @@ def test_applies_only_where_the_kernel_can_hold_the_row():
                        torch.zeros(w.shape[0], 80, dtype=dt, device=DEV), heads, cfg)
 
 
+def test_bad_inputs_are_refused_before_the_launch():
+    heads = QKVHeads(q=3, kv=2, dim=16)
+    cfg = NormQKVConfig(1, 1)
+    dt = torch.bfloat16
+    h, residual, norm_w, w, b, cos, sin, loc = case(heads, 64, dt, 2, True)
+    kb, vb = kv_buffers(heads, dt)
+    kv = triton_ops.KVStore(None, loc, kb, vb)
+    out = torch.zeros(1, w.shape[0], dtype=dt, device=DEV)
+    bad = {"cos": (h, residual, norm_w, EPS, w, b, cos[:, :, :4].contiguous(), sin, heads, kv,
+                   out, cfg),
+           "out": (h, residual, norm_w, EPS, w, b, cos, sin, heads, kv, out[:, :-1], cfg),
+           "bias": (h, residual, norm_w, EPS, w, b[:-1], cos, sin, heads, kv, out, cfg)}
+    for name, args in bad.items():
+        with pytest.raises(ValueError):
+            norm_qkv_rope(*args)
+        assert not out.any() and torch.equal(kb, kv_buffers(heads, dt)[0]), name
+
+
 def test_config_parse():
     assert triton_norm_qkv_rope._parse("0") is None
     assert triton_norm_qkv_rope._parse("4,8") == NormQKVConfig(4, 8)

@@ -165,6 +165,8 @@ def applies(h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm_weigh
         return False
     if isinstance(h, SplitSum) and h.bias is not None:
         return False
+    if not isinstance(h, SplitSum) and h.stride(-1) != 1:
+        return False
     k = residual.shape[1]
     return (h.shape == residual.shape and h.dtype == residual.dtype == norm_weight.dtype
             == weight.dtype and residual.is_contiguous() and row_chunks(k) is not None
