@@ -66,6 +66,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="default top_p (1.0 = off)")
     g.add_argument("--top-k", type=int, default=-1, help="default top_k (-1 = off)")
     g.add_argument("--n", type=int, default=1, help="default samples per prompt")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="default stop string, repeatable: a sample ends at the first token whose "
+                        "text contains one (needs the model's tokenizer.json)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for prompts without their own")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV budget in tokens (CPU)")
     g.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -77,7 +80,7 @@ def _generate(a) -> int:
     loads; the output appears whole (written beside it, then renamed) or not at all."""
     from rollout import Engine, EngineConfig, InvalidRequestError, KVCacheBudgetError
     defaults = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                    top_k=a.top_k, n=a.n)
+                    top_k=a.top_k, n=a.n, stop=tuple(a.stop))
     prompts, params, lines = [], [], []
     with open(a.input) as f:
         for line_no, line in enumerate(f, 1):

@@ -11,6 +11,7 @@ import numpy as np
 
 from rollout.prompt_group import PromptGroup
 from rollout.sampling_params import SamplingParams
+from rollout.stop_strings import StopStrings
 
 
 @dataclass(eq=False)  # identity: list.remove / `in` never compare token lists
@@ -39,6 +40,7 @@ class Request:
     # slots of this request's row are that group's while resident (not its own to free)
     group: Optional[PromptGroup] = field(default=None, repr=False)
     shared_len: int = 0
+    stop_strings: Optional[StopStrings] = field(default=None, repr=False)  # params.stop's checker
 
     @property
     def all_ids(self) -> list[int]:
@@ -96,7 +98,8 @@ class Request:
 
     def check_finished(self, eos_ids: frozenset[int]) -> None:
         last = self.output_ids[-1]
-        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+        if (last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids)
+                or (self.stop_strings is not None and self.stop_strings.hit(self.output_ids))):
             self.finish_reason = "stop"
         elif (len(self.output_ids) >= self.params.max_new_tokens
               or len(self.prompt_ids) + len(self.output_ids) >= self.max_len):

@@ -13,6 +13,7 @@ from rollout.prompt_group import PromptGroup, new_group
 from rollout.request import Request
 from rollout.random_stream import mix_seed
 from rollout.sampling_params import SamplingParams
+from rollout.stop_strings import StopStrings
 
 Prompt = Union[str, Sequence[int]]
 ParamsArg = Union[None, SamplingParams, dict, Sequence[Union[SamplingParams, dict]]]
@@ -40,6 +41,9 @@ class RequestBuilder:
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
         check_prompt_list(prompts)
         per_prompt = params_list(params, len(prompts), self.limits.vocab_size)
+        if self.tokenizer is None and any(sp.stop for sp in per_prompt):
+            raise InvalidRequestError("stop strings need the model's tokenizer.json (it has none); "
+                                      "use stop_token_ids")
         ids, arrays = self._encode_all(prompts)
         groups = prompt_groups(arrays, per_prompt) if self.share_prompt_kv else [None] * len(ids)
         return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))
@@ -48,11 +52,12 @@ class RequestBuilder:
     def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams,
                 group: Optional[PromptGroup]) -> list[Request]:
         base = resolve_seed(sp, self._rng)
+        stops = StopStrings(self.tokenizer, sp.stop) if sp.stop else None
         out = []
         for k in range(sp.n):
             seed = base if sp.n == 1 else mix_seed(base, k)
             out.append(Request(self._next_rid, prompt, sp, seed, self.limits.max_len, index, k,
-                               prompt_array=array, group=group))
+                               prompt_array=array, group=group, stop_strings=stops))
             self._next_rid += 1
         return out
 

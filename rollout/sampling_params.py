@@ -26,6 +26,9 @@ class SamplingParams:
     seed: Optional[int] = None  # None: drawn from the engine's seeded stream
     n: int = 1  # samples per prompt
     logprobs: int = 0  # top-k logprobs per token to return besides the sampled token's
+    # stop strings: the request ends at the first token whose decoded output contains one (a
+    # str is one stop string; needs the model's tokenizer.json)
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
@@ -48,6 +51,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self.stop_token_ids = _id_tuple(self.stop_token_ids)
+        self.stop = _stop_tuple(self.stop)
 
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model (and, as the fields can be assigned after creation, the
@@ -105,4 +109,18 @@ def _id_tuple(ids: Any) -> tuple[int, ...]:
         raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {ids!r}") from None
     if not all(_is_int(i) and i >= 0 for i in out):
         raise InvalidRequestError(f"stop_token_ids must be non-negative ints, got {ids!r}")
+    return out
+
+
+def _stop_tuple(stops: Any) -> tuple[str, ...]:
+    if stops is None:
+        return ()
+    if isinstance(stops, str):
+        stops = (stops,)
+    try:
+        out = tuple(stops)
+    except TypeError:
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stops!r}") from None
+    if not all(isinstance(s, str) and s for s in out):
+        raise InvalidRequestError(f"stop must hold non-empty strings, got {stops!r}")
     return out

@@ -78,3 +78,18 @@ def test_generate_writes_through_a_symlink_and_keeps_the_file_mode(tiny_dirs, tm
     assert main(args + ["--output", str(real)]) == 0
     assert (os.stat(real).st_mode & 0o777) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "link.jsonl", "real.jsonl"]
+
+
+def test_generate_stop_option_is_every_lines_default(tiny_dirs, tmp_path):
+    import string
+    path = tiny_dirs["Qwen2ForCausalLM"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3}}\n'
+                   '{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3, "stop": []}}\n')
+    out = tmp_path / "out.jsonl"
+    stops = [a for c in string.printable[:94] for a in ("--stop", c)]  # any ASCII character
+    assert main(["generate", "--model", path, "--input", str(inp), "--output", str(out),
+                 "--max-new-tokens", "32", *stops]) == 0
+    stopped, plain = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stopped["finish_reason"] == "stop" and plain["finish_reason"] != "stop"
+    assert stopped["token_ids"] == plain["token_ids"][:len(stopped["token_ids"])]

@@ -1,8 +1,8 @@
 """Spec for RolloutController on one machine (CPU, local Ray):
 
 - DP=2 × TP=1 and DP=1 × TP=2 return what the single-process Engine returns for the same
-  config and seeds: greedy, seeded sampling with n > 1, string prompts, and prompts without a
-  seed (the controller draws their seeds exactly as an Engine does).
+  config and seeds: greedy, seeded sampling with n > 1, string prompts, stop strings, and
+  prompts without a seed (the controller draws their seeds exactly as an Engine does).
 - All n samples of a prompt run on one replica; the async forms give the same outputs.
 - `abort_all` ends the calls in flight on every replica: each returns all its samples, the
   unfinished ones with a prefix of what the engine returns for the same seeds.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import string
 import time
 
 import pytest
@@ -30,7 +31,8 @@ RAGGED = [[3, 14, 15], [92, 65, 35, 89, 79, 32, 38], [46], [26, 43, 38, 32, 79, 
 PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.0),
           SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, n=3),
           SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=5, logprobs=2),
-          SamplingParams(max_new_tokens=20, temperature=1.0, top_k=30, seed=7),
+          SamplingParams(max_new_tokens=20, temperature=1.0, top_k=30, seed=7,
+                         stop=tuple(string.printable[:94])),  # stops at an ASCII character
           SamplingParams(max_new_tokens=10, temperature=0.0),
           SamplingParams(max_new_tokens=14, temperature=1.0, seed=3, n=2),
           SamplingParams(max_new_tokens=6, temperature=1.0, min_p=0.1, seed=2),
@@ -78,6 +80,7 @@ def test_outputs_equal_single_engine_for_same_seeds(controllers, engine, layout)
     outs = controllers[layout].generate(RAGGED, PARAMS)
     assert_same(outs, refs)
     assert [o.prompt_index for o in outs] == [i for i, sp in enumerate(PARAMS) for _ in range(sp.n)]
+    assert outs[PARAMS[0].n + PARAMS[1].n + PARAMS[2].n].finish_reason == "stop"  # a stop string
 
 
 @pytest.mark.parametrize("tp_size,num_replicas", [(1, 2), (2, 1)])

@@ -1,0 +1,33 @@
+"""Stop strings: a request ends at the first token whose decoded output contains one of them.
+
+Why: RL rollouts of reasoning and tool-use tasks end on text ("</answer>", a code fence), not on
+one token id: the same text tokenizes many ways. The check runs on the host when a token is
+applied (as the stop-token check does), only for requests that have stop strings, and decodes
+only a window of their last tokens: enough tokens for the longest stop string even when every
+character takes four byte tokens (byte-level tokenizers), so the cost per token does not grow
+with the output. The tokens and logprobs returned end with the token that completed the stop
+string (what the trainer needs: every sampled token with its logprob); the text is the decode
+of those tokens, stop string included.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+MAX_TOKENS_PER_CHAR = 4  # a UTF-8 character is at most four bytes: four byte-level tokens
+WINDOW_SLACK = 4  # tokens more, for a character cut at the window's start
+
+
+class StopStrings:
+    """A request's stop strings with the tokenizer that decodes its output (shared by the
+    requests of one SamplingParams; it holds no per-request state)."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.window = MAX_TOKENS_PER_CHAR * max(map(len, self.stops)) + WINDOW_SLACK
+
+    def hit(self, output_ids: list[int]) -> bool:
+        """Whether the output, its last token just applied, now contains a stop string (checked
+        after every token, so the first token that completes one is the one that ends it)."""
+        text = self.tokenizer.decode(output_ids[-self.window:])
+        return any(stop in text for stop in self.stops)
