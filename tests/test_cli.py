@@ -14,15 +14,20 @@ def test_demo_prints_table_and_throughput(capsys, tmp_path, monkeypatch):
     assert "4 prompts x 2 samples" in out and "tok/s" in out and "logprob sum" in out
 
 
+def _generate_rows(path: str, tmp_path, lines: str, *options: str) -> list[dict]:
+    """`rollout generate` on these JSONL lines: its output rows."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(lines)
+    assert main(["generate", "--model", path, "--input", str(inp), "--output", str(out),
+                 *options]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 def test_generate_jsonl_matches_engine(tiny_dirs, tmp_path):
     path = tiny_dirs["Qwen2ForCausalLM"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt": "hi there"}\n{"prompt_token_ids": [5, 6, 7], '
-                   '"sampling_params": {"n": 2, "seed": 3}}\n')
-    out = tmp_path / "out.jsonl"
-    assert main(["generate", "--model", path, "--input", str(inp), "--output", str(out),
-                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _generate_rows(path, tmp_path, '{"prompt": "hi there"}\n{"prompt_token_ids": [5, 6, 7], '
+                          '"sampling_params": {"n": 2, "seed": 3}}\n',
+                          "--max-new-tokens", "6", "--temperature", "0")
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (1, 0), (1, 1)]
     engine = Engine(EngineConfig(model_path=path))
     ref = engine.generate(["hi there"], SamplingParams(max_new_tokens=6, temperature=0))[0]
@@ -82,14 +87,11 @@ def test_generate_writes_through_a_symlink_and_keeps_the_file_mode(tiny_dirs, tm
 
 def test_generate_stop_option_is_every_lines_default(tiny_dirs, tmp_path):
     import string
-    path = tiny_dirs["Qwen2ForCausalLM"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3}}\n'
-                   '{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3, "stop": []}}\n')
-    out = tmp_path / "out.jsonl"
     stops = [a for c in string.printable[:94] for a in ("--stop", c)]  # any ASCII character
-    assert main(["generate", "--model", path, "--input", str(inp), "--output", str(out),
-                 "--max-new-tokens", "32", *stops]) == 0
-    stopped, plain = [json.loads(line) for line in out.read_text().splitlines()]
+    stopped, plain = _generate_rows(
+        tiny_dirs["Qwen2ForCausalLM"], tmp_path,
+        '{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3}}\n'
+        '{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3, "stop": []}}\n',
+        "--max-new-tokens", "32", *stops)
     assert stopped["finish_reason"] == "stop" and plain["finish_reason"] != "stop"
     assert stopped["token_ids"] == plain["token_ids"][:len(stopped["token_ids"])]
