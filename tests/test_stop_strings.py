@@ -103,6 +103,30 @@ def test_a_character_of_several_byte_tokens_stops_at_its_last_byte():
     assert emoji.hit([ord("b")] * 50 + [ord("a")] + four_bytes)
 
 
+def test_the_check_after_each_token_finds_the_first_prefix_with_a_stop_string():
+    """Random byte outputs (multi-byte characters, cut ones, special tokens) and stop strings
+    cut out of their texts, some ending in a space: checking token after token stops exactly at
+    the first prefix whose whole decode contains a stop string."""
+    import random
+    tok = Tokenizer.from_file(str(make_tiny_model(_tmp() / "m", TinyModelSpec()) / "tokenizer.json"))
+    rng = random.Random(0)
+    alphabet = list(range(32, 127)) * 4 + list("é😀ж".encode()) * 3 + [10, 200, 256, 257]
+    checked = 0
+    for case in range(300):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(5, 60))]
+        text = tok.decode(ids)
+        start = rng.randrange(len(text))
+        stop = text[start:start + rng.randint(1, 4)]
+        stops = (stop, stop + " ") if case % 3 == 0 else (stop,)
+        if "\ufffd" in stop or not stop.strip():
+            continue
+        checker = StopStrings(tok, stops)
+        found = next((t for t in range(1, len(ids) + 1) if checker.hit(ids[:t])), None)
+        assert found == _first_stop(tok, ids, stops), (ids, stops)
+        checked += 1
+    assert checked > 200
+
+
 def _tmp():
     import tempfile
     from pathlib import Path
