@@ -8,10 +8,9 @@ character takes four byte tokens (byte-level tokenizers), so the cost per token 
 with the output — and for most tokens not even that: a token whose own text holds no stop
 string's last character (and no part of a character) cannot have completed one, so one token
 is decoded (0.43 µs a request and token on the CPU machine against 1.1-8.5 µs for the window,
-benchmarks/stop_strings_check.py). The
-tokens and logprobs returned end with the token that completed the stop
-string (what the trainer needs: every sampled token with its logprob); the text is the decode
-of those tokens, stop string included.
+benchmarks/stop_strings_check.py). The tokens and logprobs returned end with the token that
+completed the stop string (what the trainer needs: every sampled token with its logprob); the
+text is the decode of those tokens, stop string included.
 """
 from __future__ import annotations
 
