@@ -34,7 +34,8 @@ for stage in "$@"; do
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
     smoke) run smoke 300 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py \
               tests/test_overlap_schedule.py tests/test_triton_gemv.py tests/test_triton_sampler.py \
-              tests/test_triton_pdl.py tests/test_triton_qkv_rope.py tests/test_sampler.py -p no:cacheprovider ;;
+              tests/test_triton_pdl.py tests/test_triton_qkv_rope.py tests/test_triton_norm_qkv_rope.py \
+              tests/test_sampler.py -p no:cacheprovider ;;
     # the fused Triton sampler on and off (ROLLOUT_FUSED_SAMPLER), engine alone
     sampler-ab) run sampler_ab 300 bash -c 'for s in 1 0; do ROLLOUT_FUSED_SAMPLER=$s python3 benchmarks/decode_throughput.py \
               --shape qwen2-1.5b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
