@@ -105,14 +105,20 @@ class DecoderAttention(nn.Module):
         cfg = triton_qkv_rope.fused_config(x, w, heads)
         if cfg is None:
             return None
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        out, kv = self._qkv_out_and_store(x.shape[0], x, fb)
+        if kv is None:
+            return None
+        return triton_qkv_rope.qkv_rope(x, w, self.qkv_proj.bias, *rope, heads, kv, cfg, out)
+
+    def _qkv_out_and_store(self, rows: int, like: torch.Tensor, fb: ForwardBatch) -> tuple:
+        """(a qkv output for `rows`, the KV store a fused kernel writes its keys and values
+        through — None where the pool takes no fused store)."""
+        out = torch.empty(rows, self.qkv_proj.weight.shape[0], dtype=like.dtype,
+                          device=like.device)
         target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc,
                                                          self._heads(out)[1])
-        if target is None:
-            return None
         from rollout.layers.triton_ops import KVStore
-        return triton_qkv_rope.qkv_rope(x, w, self.qkv_proj.bias, *rope, heads, KVStore(*target),
-                                        cfg, out)
+        return out, KVStore(*target) if target is not None else None
 
     def _fused_norm_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor],
                              h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
@@ -129,16 +135,11 @@ class DecoderAttention(nn.Module):
         if (not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG)
                 or triton_qkv_rope.fused_config(residual, w, heads) is None):
             return None
-        out = torch.empty(1, w.shape[0], dtype=residual.dtype, device=residual.device)
-        target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc,
-                                                         self._heads(out)[1])
-        if target is None:
+        out, kv = self._qkv_out_and_store(1, residual, fb)
+        if kv is None:
             return None
-        from rollout.layers.triton_ops import KVStore
-        new_residual = fused.norm_qkv_rope(h, residual, norm.weight, norm.eps, w,
-                                           self.qkv_proj.bias, *rope, heads, KVStore(*target),
-                                           out, fused.CONFIG)
-        return out, new_residual
+        return out, fused.norm_qkv_rope(h, residual, norm.weight, norm.eps, w, self.qkv_proj.bias,
+                                        *rope, heads, kv, out, fused.CONFIG)
 
     def _qkv_rotary_cpu(self, rope: tuple[torch.Tensor, torch.Tensor],
                         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
