@@ -178,7 +178,8 @@ def _output_record(o) -> dict:
     return {"prompt_index": o.prompt_index, "sample_index": o.sample_index,
             "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
             "finish_reason": o.finish_reason, "weight_version": o.weight_version,
-            "token_weight_versions": o.token_weight_versions, "text": o.text}
+            "token_weight_versions": o.token_weight_versions, "text": o.text,
+            "matched_stop": o.matched_stop}
 
 
 def _plugin_parsers(sub) -> None:

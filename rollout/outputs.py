@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from rollout.request import Request
 
@@ -21,6 +21,9 @@ class GenerateOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
     rerun_after_failure: bool = False  # re-run on another replica after its first one died
+    # finish_reason "stop": the stop token id (a stop_token_ids entry or an EOS id) or the stop
+    # string that ended the sample; else None
+    matched_stop: Union[int, str, None] = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -35,4 +38,4 @@ class GenerateOutput:
             weight_version=versions[-1] if versions else engine_version,
             token_weight_versions=versions, prompt_index=req.prompt_index,
             sample_index=req.sample_index, text=text, top_logprobs=list(req.top_logprobs),
-            num_retractions=req.num_retractions)
+            num_retractions=req.num_retractions, matched_stop=req.matched_stop)

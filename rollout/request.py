@@ -41,6 +41,7 @@ class Request:
     group: Optional[PromptGroup] = field(default=None, repr=False)
     shared_len: int = 0
     stop_strings: Optional[StopStrings] = field(default=None, repr=False)  # params.stop's checker
+    matched_stop: Union[int, str, None] = None  # the stop token id or stop string that ended it
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,9 +99,11 @@ class Request:
 
     def check_finished(self, eos_ids: frozenset[int]) -> None:
         last = self.output_ids[-1]
-        if (last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids)
-                or (self.stop_strings is not None and self.stop_strings.hit(self.output_ids))):
-            self.finish_reason = "stop"
+        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+            self.finish_reason, self.matched_stop = "stop", last
+        elif (self.stop_strings is not None
+              and (text := self.stop_strings.match(self.output_ids)) is not None):
+            self.finish_reason, self.matched_stop = "stop", text
         elif (len(self.output_ids) >= self.params.max_new_tokens
               or len(self.prompt_ids) + len(self.output_ids) >= self.max_len):
             self.finish_reason = "length"

@@ -14,7 +14,7 @@ text is the decode of those tokens, stop string included.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 MAX_TOKENS_PER_CHAR = 4  # a UTF-8 character is at most four bytes: four byte-level tokens
 WINDOW_SLACK = 4  # tokens more, for a character cut at the window's start
@@ -32,13 +32,17 @@ class StopStrings:
         # a decoder may drop a token's leading space when it stands alone (SentencePiece)
         self.ends_in_space = any(c.isspace() for c in self.last_chars)
 
-    def hit(self, output_ids: list[int]) -> bool:
-        """Whether the output, its last token just applied, now contains a stop string (checked
-        after every token, so the first token that completes one is the one that ends it)."""
+    def match(self, output_ids: list[int]) -> Optional[str]:
+        """The stop string the output, its last token just applied, now contains (the first of
+        them in the given order), or None. Checked after every token, so the first token that
+        completes one is the one that ends the request."""
         if not self._may_complete(output_ids[-1]):
-            return False
+            return None
         text = self.tokenizer.decode(output_ids[-self.window:])
-        return any(stop in text for stop in self.stops)
+        return next((stop for stop in self.stops if stop in text), None)
+
+    def hit(self, output_ids: list[int]) -> bool:
+        return self.match(output_ids) is not None
 
     def _may_complete(self, token: int) -> bool:
         """False when the last token cannot have completed a stop string: its own text is not

@@ -94,4 +94,5 @@ def test_generate_stop_option_is_every_lines_default(tiny_dirs, tmp_path):
         '{"prompt_token_ids": [5, 6, 7], "sampling_params": {"seed": 3, "stop": []}}\n',
         "--max-new-tokens", "32", *stops)
     assert stopped["finish_reason"] == "stop" and plain["finish_reason"] != "stop"
+    assert stopped["matched_stop"] in string.printable[:94] and plain["matched_stop"] is None
     assert stopped["token_ids"] == plain["token_ids"][:len(stopped["token_ids"])]

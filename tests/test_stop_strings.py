@@ -66,7 +66,7 @@ def test_samples_end_at_the_first_token_that_completes_a_stop_string(tiny_dirs, 
         assert out.token_ids == ref.token_ids[:end]
         # the batch shrinks differently, so CPU GEMMs may round the last fp32 bits otherwise
         assert out.logprobs == pytest.approx(ref.logprobs[:end], abs=1e-5)
-        assert out.finish_reason == "stop"
+        assert out.finish_reason == "stop" and out.matched_stop == s[0]
         assert out.text == tokenizer.decode(out.token_ids) and s[0] in out.text
     # the engine goes on as before: the same call without stops gives the reference again
     again = engine.generate(PROMPTS, _params())
@@ -85,6 +85,7 @@ def test_each_of_n_samples_stops_on_its_own(tiny_dirs, tokenizer):
         ends.append(end)
         assert out.token_ids == ref.token_ids[:end]
         assert out.finish_reason == ("stop" if stop[0] in out.text else "length")
+        assert out.matched_stop == (stop[0] if out.finish_reason == "stop" else None)
     assert len(set(ends)) > 1  # the samples end at different tokens
 
 
@@ -131,6 +132,24 @@ def _tmp():
     import tempfile
     from pathlib import Path
     return Path(tempfile.mkdtemp())
+
+
+def test_matched_stop_names_the_stop_token_or_the_eos(tiny_dirs):
+    """`matched_stop` is the stop token id that ended a sample, an EOS id, or None (length)."""
+    engine = _engine(tiny_dirs[ARCH])
+    reference = engine.generate(PROMPTS[:1], _params())[0]
+    token = reference.token_ids[NEW // 2]
+    first = reference.token_ids.index(token)
+    out = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW, temperature=1.0,
+                                                       seed=11, ignore_eos=True,
+                                                       stop_token_ids=[token]))[0]
+    assert (out.finish_reason, out.matched_stop, len(out.token_ids)) == ("stop", token, first + 1)
+    assert reference.matched_stop is None and reference.finish_reason == "length"
+    eos = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW, temperature=1.0,
+                                                       seed=11, stop_token_ids=[token]))[0]
+    end = next(i for i, t in enumerate(reference.token_ids) if t in (token, 257))  # 257: EOS
+    assert (eos.finish_reason, eos.matched_stop) == ("stop", reference.token_ids[end])
+    assert eos.token_ids == reference.token_ids[:end + 1]
 
 
 def test_stop_values_are_checked():
