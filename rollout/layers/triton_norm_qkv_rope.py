@@ -23,7 +23,8 @@ warps; default "2,4" — or "0" off. On an H200 (thirty-fifth session, Qwen2-1.5
 decode graph, engine alone; benchmarks/ab_thirtyfifth_session*.json): 1.0043 -> 0.9967 ms
 (ab35a), 1.0040 -> 0.9990 (ab35b, two rounds), 1.0045 -> 0.9962 (ab35c, two rounds); one
 pair a program 1.0012-1.0014, four 1.0077-1.0128, eight 1.0134; two pairs with 2 or 8 warps
-1.0027 / 1.0085. The bound, the norm without any kernel, 0.9887. The same fold into the one-row
+1.0027 / 1.0085. The bound, the norm without any kernel, 0.9887. In the decode benchmark's
+process of batches 1, 32 and 128 only 1.0056 -> 1.0041 (ab35d, two rounds). The same fold into the one-row
 gate/up (4,480 programs) lost 12% (1.0045 -> 1.1243 ms, ab35c), as the fifth session's had."""
 from __future__ import annotations
 
