@@ -1,5 +1,5 @@
 """The host cost of the stop-string check a request with stop strings pays per applied token:
-`StopStrings.hit` next to decoding its whole window each time (what it does without the
+`StopStrings.match` next to decoding its whole window each time (what it does without the
 one-token pre-check), for stop strings of 1 to 30 characters, on the tiny model's byte-level
 tokenizer, over an output of printable ASCII that never completes the stop string.
 
@@ -38,7 +38,7 @@ def main() -> None:
         stops = StopStrings(tok, ["\x7f" * length])
         window = lambda: any(s in tok.decode(output[-stops.window:]) for s in stops.stops)  # noqa: E731
         rows.append({"stop_chars": length, "window_tokens": stops.window,
-                     "hit_us": per_call_us(lambda: stops.hit(output)),
+                     "match_us": per_call_us(lambda: stops.match(output)),
                      "window_decode_us": per_call_us(window)})
         print(json.dumps(rows[-1]))
     if args.out:

@@ -41,9 +41,6 @@ class StopStrings:
         text = self.tokenizer.decode(output_ids[-self.window:])
         return next((stop for stop in self.stops if stop in text), None)
 
-    def hit(self, output_ids: list[int]) -> bool:
-        return self.match(output_ids) is not None
-
     def _may_complete(self, token: int) -> bool:
         """False when the last token cannot have completed a stop string: its own text is not
         empty, holds no part of a character (U+FFFD) and no stop string's last character.

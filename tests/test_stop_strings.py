@@ -93,15 +93,15 @@ def test_a_character_of_several_byte_tokens_stops_at_its_last_byte():
     tok = Tokenizer.from_file(str(make_tiny_model(_tmp() / "m", TinyModelSpec()) / "tokenizer.json"))
     stops = StopStrings(tok, ["é"])  # two UTF-8 bytes: two byte tokens
     e1, e2 = "é".encode()
-    assert not stops.hit([ord("a"), e1])
-    assert stops.hit([ord("a"), e1, e2])
+    assert stops.match([ord("a"), e1]) is None
+    assert stops.match([ord("a"), e1, e2]) == "é"
     long_output = [ord("x")] * 500 + [e1, e2]  # the window reaches it at the end of a long output
-    assert stops.hit(long_output)
+    assert stops.match(long_output) == "é"
     four_bytes = list("😀".encode())
     emoji = StopStrings(tok, ["a😀"])
     assert emoji.window >= 2 * 4  # two characters of up to four byte tokens each
-    assert not emoji.hit([ord("a")] + four_bytes[:3])
-    assert emoji.hit([ord("b")] * 50 + [ord("a")] + four_bytes)
+    assert emoji.match([ord("a")] + four_bytes[:3]) is None
+    assert emoji.match([ord("b")] * 50 + [ord("a")] + four_bytes) == "a😀"
 
 
 def test_the_check_after_each_token_finds_the_first_prefix_with_a_stop_string():
@@ -122,7 +122,7 @@ def test_the_check_after_each_token_finds_the_first_prefix_with_a_stop_string():
         if "\ufffd" in stop or not stop.strip():
             continue
         checker = StopStrings(tok, stops)
-        found = next((t for t in range(1, len(ids) + 1) if checker.hit(ids[:t])), None)
+        found = next((t for t in range(1, len(ids) + 1) if checker.match(ids[:t])), None)
         assert found == _first_stop(tok, ids, stops), (ids, stops)
         checked += 1
     assert checked > 200
