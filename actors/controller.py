@@ -27,6 +27,7 @@ from actors import cluster
 from actors.controller_weights import ControllerWeightsMixin
 from actors.health import replica_status, replica_status_unavailable
 from actors.placement import bundle_resource, node_capacities, plan_replica_nodes
+from actors.prefix_routing import PrefixRouter
 from actors.recovery import ALIVE, REBUILDING, RecoveryMixin
 from actors.replica import Replica, check_tp_size
 from rollout.config import EngineConfig, ModelConfig
@@ -99,6 +100,8 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
         self._weight_version = 0
         self._weights_updated = False  # has any update landed (else the checkpoint is the latest)
         self._released: set[str] = set()  # memory tags released on every replica
+        # where each replica's prefix cache should hold a prompt's start (None: caches off)
+        self._router = PrefixRouter() if self.config.prefix_cache else None
         self._placement_timeout_s, self._start_timeout_s = placement_timeout_s, start_timeout_s
         self._dist_timeout_s = dist_timeout_s
         self._closed = False
@@ -159,8 +162,10 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
 
     def _assign(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[_Part]:
         """Each prompt (with all its n samples) to the alive replica with the least outstanding
-        work (waiting while every replica is being rebuilt); with shared prompt KV, a copy of a
-        prompt to the replica of its first copy, where its samples join theirs."""
+        work once the prompt's own is added — less, on the replica whose prefix cache should
+        hold its start (`PrefixRouter`: a conversation's next turn) — waiting while every
+        replica is being rebuilt; with shared prompt KV, a copy of a prompt to the replica of
+        its first copy, where its samples join theirs."""
         shared = self.config.share_prompt_kv
         while True:
             self._pick_alive()
@@ -173,8 +178,10 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
                     key = prompt_key(prompt) if shared else i
                     r = homes.get(key)
                     if r is None:
-                        r = homes[key] = min(alive, key=load.__getitem__)
                         cost = work_estimate(prompt, sp, shared)
+                        home, saved = self._router.match(prompt) if self._router else (-1, 0)
+                        r = homes[key] = min(alive, key=lambda j: load[j] - saved * (j == home))
+                        cost -= saved * (r == home)
                     else:  # a copy: its samples follow the first copy's prefill there
                         cost = sp.n * (1 + sp.max_new_tokens)
                     load[r] += cost
@@ -184,6 +191,12 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
                 for part in parts.values():
                     self._outstanding[part.replica] += part.cost
                 return list(parts.values())
+
+    def _record_route(self, prompt: Prompt, out: GenerateOutput, replica: int) -> None:
+        """The replica now caches the sample's KV: the router remembers it there."""
+        if self._router is not None:
+            self._router.record(prompt, out.text if isinstance(prompt, str) else out.token_ids,
+                                replica)
 
     def _dispatch(self, call: _Call, part: _Part) -> None:
         """One Ray call for the part (its cost is booked already); the outcome comes back to
@@ -222,6 +235,7 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
                 for o in _reindexed(outs, part.indices):
                     o.rerun_after_failure = part.attempt > 0
                     call.outs.append(o)
+                    self._record_route(call.prompts[o.prompt_index], o, part.replica)
             if call.left:
                 return
         if call.errors:
@@ -258,6 +272,9 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
         with self._weights_lock:
             self._release_on(self._serving_replicas(), tags)
             self._released.update(tags)
+            if self._router is not None and "kv_cache" in tags:
+                with self._lock:
+                    self._router.clear()  # the replicas' caches went with their KV
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Followers first, then leaders (a leader may generate as soon as it is resumed)."""

@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 class ControllerWeightsMixin:
-    """Mixed into RolloutController; uses its replicas, `_weight_version`, `_weights_lock` and
-    the recovery helpers (`_serving_replicas`, `_call_leaders`, `_replica_failed`)."""
+    """Mixed into RolloutController; uses its replicas, `_weight_version`, `_weights_lock`, its
+    prefix `_router` and the recovery helpers (`_serving_replicas`, `_call_leaders`,
+    `_replica_failed`)."""
 
     _last_phases: dict = {}
     use_push_channels: bool = True  # registered IPC pushes into TP=1 replicas skip Ray
@@ -289,6 +290,9 @@ class ControllerWeightsMixin:
         serves `version` and stale replicas now complete are alive again; some failed — the
         controller keeps its version, the replicas that do not hold it stop serving, and the
         first replica's error is raised."""
+        if self._router is not None:
+            with self._lock:
+                self._router.clear()  # every replica that loaded emptied its prefix cache
         if not failed:
             self._weight_version, self._weights_updated = version, True
             self._refresh_stale(done)

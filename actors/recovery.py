@@ -126,6 +126,8 @@ class RecoveryMixin:
                 return
             self._state[index] = REBUILDING
             self._restarts[index] += 1
+            if self._router is not None:
+                self._router.forget_replica(index)  # its successor starts with an empty cache
             self._last_failure[index] = reason
             thread = threading.Thread(target=self._rebuild, args=(index,), daemon=True,
                                       name=f"rebuild-replica-{index}")

@@ -52,7 +52,11 @@ def model_dir_for(shape: str | TinyModelSpec) -> Path:
 
 
 def gpu_engine_config(model_dir: Path, max_running_requests: int, **overrides) -> EngineConfig:
-    """The GPU benchmarks' engine: bf16 on the GPU, every default (the profilers')."""
+    """The GPU benchmarks' engine: bf16 on the GPU, every default (the profilers') but the
+    prefix cache, off unless asked for: the benchmarks time calls that repeat their prompts (a
+    warm-up, then repeats), which would find them cached, and time the cost of fresh prompts —
+    an RL rollout's, whose every call follows a weight update that empties the cache."""
+    overrides.setdefault("prefix_cache", False)
     return EngineConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
                         max_running_requests=max_running_requests, **overrides)
 
@@ -84,11 +88,15 @@ def engine_runner(engine: Engine, batch: int, args):
     # warm-up at the timed batch size: Triton specialises integer arguments (a batch of 32 is
     # divisible by 16, one of 2 is not), so a first call at a new size can compile kernels
     engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True, n=n))
+    fresh = iter(range(1, 1 << 30))
 
     def call() -> tuple[int, float]:
+        # with the prefix cache, every call fresh prompts (as an RL rollout's after an update)
+        todo = prompts if not engine.config.prefix_cache else prompts_for(
+            num_prompts(batch, args), args.prompt_len, engine.model_config.vocab_size, next(fresh))
         _sync(args.device)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, sp)
+        outs = engine.generate(todo, sp)
         _sync(args.device)
         return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
     return call
@@ -228,6 +236,9 @@ def main() -> None:
                    help="a batch is batch / N distinct prompts sampled N times each (GRPO groups)")
     p.add_argument("--no-share-prompt-kv", action="store_true",
                    help="each sample prefills its prompt alone (EngineConfig.share_prompt_kv)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="the prefix cache on, each call with fresh prompts (what it costs when "
+                        "nothing is found: an RL rollout after a weight update)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -244,6 +255,8 @@ def run(args) -> dict:
     model_dir = model_dir_for(args.shape)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model_path=str(model_dir), device=args.device, dtype=args.dtype,
+                                 # the repeated prompts' cost uncached (gpu_engine_config)
+                                 prefix_cache=args.prefix_cache,
                                  attention_backend=args.attention_backend,
                                  cuda_graph=not args.no_cuda_graph,
                                  cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
@@ -282,6 +295,7 @@ def run(args) -> dict:
             "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "samples_per_prompt": args.samples_per_prompt,
             "share_prompt_kv": not args.no_share_prompt_kv,
+            "prefix_cache": args.prefix_cache,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
 
 

@@ -777,6 +777,15 @@ for stage in "$@"; do
     ab35c) run ab35cspec 200 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py -p no:cacheprovider
               ab_stage ab35c benchmarks/ab_thirtyfifth_session_c.json 380 1
               rm -f $OUT/*.log ;;
+    # thirty-sixth session: the prefix cache's GPU specs (with stop strings and prompt sharing),
+    # then multi-turn rollouts with the cache on and off, with and without an RL step's weight
+    # update every two turns
+    pc36) run pc36spec 300 python3 -m pytest -q -m gpu tests/test_prefix_cache.py \
+              tests/test_stop_strings.py tests/test_prompt_sharing.py -p no:cacheprovider
+          run pc36bench 300 python3 benchmarks/multi_turn_rollout.py --shape qwen2-1.5b --device cuda \
+              --conversations 64 --turns 6 --out "$OUT/multi_turn36_h200.json"
+          run pc36upd 240 python3 benchmarks/multi_turn_rollout.py --shape qwen2-1.5b --device cuda \
+              --conversations 64 --turns 6 --weight-update-every 2 --out "$OUT/multi_turn36_upd_h200.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

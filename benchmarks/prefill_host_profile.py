@@ -57,7 +57,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make_tiny_model(d, spec, with_tokenizer=False)
         engine = Engine(EngineConfig(model_path=d, device="cuda", dtype="bfloat16",
-                                     max_running_requests=max(args.batch, 8)))
+                                     max_running_requests=max(args.batch, 8),
+                                     prefix_cache=False))  # repeated prompts: time them uncached
         prompts = prompts_for(args.batch, args.prompt_len, spec.vocab_size)
         timed_ms(engine, prompts, 3)  # warm-up: Triton compiles, allocator
         graphs = engine.runner.graph_runner

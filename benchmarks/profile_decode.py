@@ -121,7 +121,8 @@ def main() -> None:
     engine = Engine(EngineConfig(model_path=str(d), device=args.device,
                                  dtype="bfloat16" if cuda else "float32",
                                  max_running_requests=max(args.batch_sizes),
-                                 kv_cache_tokens=None if cuda else 65536))
+                                 kv_cache_tokens=None if cuda else 65536,
+                                 prefix_cache=False))  # repeated prompts: time them uncached
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     lines = []
     for bs in args.batch_sizes:

@@ -211,6 +211,11 @@ class EngineConfig:
     # beside max_prefill_tokens of prompts), so they do not wait a step for it (`Scheduler`,
     # mixed steps); False: they wait
     mixed_steps: bool = True
+    # a sample's KV stays cached after it leaves (a radix tree of its tokens, `prefix_cache`):
+    # a later request that starts with those tokens — the next turn of a conversation, a shared
+    # system prompt — computes only the rest; unused entries are evicted (least recently used)
+    # when slots are needed, and every weight update empties it
+    prefix_cache: bool = True
     pause_mode: str = "retract"
     show_progress: bool = False
     load_format: str = "auto"  # "auto": the safetensors checkpoint; "dummy": random (benchmarks)
@@ -237,7 +242,7 @@ class EngineConfig:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("share_prompt_kv", "mixed_steps"):
+        for name in ("share_prompt_kv", "mixed_steps", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

@@ -64,7 +64,11 @@ class Engine(EngineWeightsMixin):
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
         overlap = self.config.overlap and r.tp.size == 1
         return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap,
-                         mixed=self.config.mixed_steps)
+                         mixed=self.config.mixed_steps, prefix_cache=self.config.prefix_cache,
+                         weights_epoch=self._weights_epoch)
+
+    def _weights_epoch(self) -> int:
+        return self.runner.weights_epoch if self.runner is not None else -1
 
     @property
     def stats(self):
@@ -97,6 +101,7 @@ class Engine(EngineWeightsMixin):
         if len(ids) > alloc.num_free_rows:
             raise KVCacheBudgetError(f"{len(ids)} prompts at once; the engine has "
                                      f"{alloc.num_free_rows} request rows free")
+        self.scheduler.make_room(sum(map(len, ids)))  # cached KV gives way
         rows = [alloc.alloc_row() for _ in ids]
         fb = None
         try:
@@ -241,6 +246,8 @@ class Engine(EngineWeightsMixin):
         with self._engine_lock("release_memory()"), self._weights_lock:
             self._reset_if_dropped()
             self.runner.release_memory(tags)
+            if "kv_cache" in self.runner.released:
+                self.scheduler.drop_prefix_cache()  # its KV is gone
             if "weights" in self.runner.released:
                 self.updater.mark_incomplete(WEIGHTS_RELEASED, log=False)
 

@@ -140,7 +140,7 @@ class EngineWeightsMixin:
         self.gate.resume()
 
     def commit_weight_version(self, version: int) -> None:
-        self.scheduler.weight_version = int(version)
+        self.scheduler.commit_weights(int(version))
 
     def abort_if_incomplete(self) -> None:
         """After a failed update: if this shard holds a mix of versions, end the in-flight

@@ -87,5 +87,7 @@ class KVAllocator:
 
     def release(self, slots: np.ndarray) -> None:
         """Give back token slots no row holds any more."""
+        if not len(slots):
+            return
         self._released.append(slots)
         self._num_released += len(slots)

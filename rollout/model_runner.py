@@ -34,6 +34,9 @@ class ModelRunner:
         self.device = _resolve_device(device or torch.device(config.device))
         self.dtype = config.torch_dtype
         self.released: dict[str, list[StorageRecord]] = {}  # tag -> freed storages (release_memory)
+        # one more at every write to the weights: KV computed before is of other weights (the
+        # scheduler's prefix cache keeps none across it)
+        self.weights_epoch = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_before = self._free_device_memory()
@@ -170,7 +173,9 @@ class ModelRunner:
 
     def weights_changed(self) -> None:
         """Every path that writes weights calls this (the updater's write phases too): packed
-        CPU copies of the old values are dropped and made again on first use."""
+        CPU copies of the old values are dropped and made again on first use, and the KV the
+        prefix cache holds stops being of these weights (`weights_epoch`)."""
+        self.weights_epoch += 1
         self.model.packed_weights.clear()
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ class GenerateOutput:
     # finish_reason "stop": the stop token id (a stop_token_ids entry or an EOS id) or the stop
     # string that ended the sample; else None
     matched_stop: Union[int, str, None] = None
+    # prompt tokens whose KV came from the prefix cache (at its last admission), not computed
+    cached_tokens: int = 0
 
     @property
     def cumulative_logprob(self) -> float:
@@ -38,4 +40,5 @@ class GenerateOutput:
             weight_version=versions[-1] if versions else engine_version,
             token_weight_versions=versions, prompt_index=req.prompt_index,
             sample_index=req.sample_index, text=text, top_logprobs=list(req.top_logprobs),
-            num_retractions=req.num_retractions, matched_stop=req.matched_stop)
+            num_retractions=req.num_retractions, matched_stop=req.matched_stop,
+            cached_tokens=req.cached_tokens)

@@ -17,13 +17,22 @@ holder leaves (finished, aborted or retracted). Followers join in their leader's
 layer writes all of a step's new keys and values to the cache before its attention reads
 any, so the leader's prompt is there when they attend to it) or in a later one, but only
 while the shared KV was computed with the current weights; otherwise a sample prefills its
-prompt alone, or — when no sample holds the prompt's KV any more — leads anew."""
+prompt alone, or — when no sample holds the prompt's KV any more — leads anew.
+
+With the prefix cache on (`prefix_cache`), the leader hands the prompt's slots to the cache's
+tree in its step, and the group holds the tree's node instead (`node`, locked by each holder):
+samples admitted later find the prompt there like any other cached prefix, and the samples'
+own tokens can join the tree after it when they leave. The group then owns only the slots the
+tree already had other copies of (a prompt computed twice in one step), freed with its last
+holder."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from rollout.prefix_cache import CacheNode
 
 
 @dataclass(eq=False)
@@ -34,13 +43,15 @@ class PromptGroup:
     version: int = -1  # the weight version `slots` was computed with
     lead_step: int = -1  # the scheduler step whose prefill computes `slots`
     lead_row: int = -1  # the leader's request row in that step
+    node: Optional[CacheNode] = None  # with the prefix cache: the tree's node of the prompt
 
     def admission_prefix(self, step: int, version: int) -> int:
         """Cached leading tokens of a sample of this prompt admitted at scheduler step `step`
         under weight `version`: `prefix_len` (it follows: in its leader's step, or after it
         while the KV is held and of these weights), else 0 (it prefills its prompt: leading
         when `vacant`, alone otherwise)."""
-        if self.lead_step == step or (self.slots is not None and self.version == version):
+        if self.lead_step == step or (self.node is None and self.slots is not None
+                                      and self.version == version):
             return self.prefix_len
         return 0
 
@@ -54,9 +65,10 @@ class PromptGroup:
         it follow that row."""
         self.lead_step, self.lead_row = step, row
 
-    def lead(self, slots: np.ndarray, version: int) -> None:
-        """The leader's batch took these slots for the prompt's first `prefix_len` tokens."""
-        self.slots, self.holders, self.version = slots, 1, version
+    def lead(self, slots: np.ndarray, version: int, node: Optional[CacheNode] = None) -> None:
+        """The leader's batch took these slots for the prompt's first `prefix_len` tokens (with
+        the prefix cache: `node` holds the prompt, and `slots` are the group's duplicates)."""
+        self.slots, self.holders, self.version, self.node = slots, 1, version, node
 
     def follow(self) -> None:
         self.holders += 1
@@ -66,7 +78,7 @@ class PromptGroup:
         self.holders -= 1
         if self.holders:
             return None
-        slots, self.slots = self.slots, None
+        slots, self.slots, self.node = self.slots, None, None
         return slots
 
 

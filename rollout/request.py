@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from rollout.prefix_cache import CacheNode
 from rollout.prompt_group import PromptGroup
 from rollout.sampling_params import SamplingParams
 from rollout.stop_strings import StopStrings
@@ -39,7 +40,15 @@ class Request:
     # the prompt's samples sharing its KV (prompt_group; None: not shared), and how many leading
     # slots of this request's row are that group's while resident (not its own to free)
     group: Optional[PromptGroup] = field(default=None, repr=False)
-    shared_len: int = 0
+    shared_len: int = 0  # leading slots of its row that are not its own: the group's or the cache's
+    group_member: bool = False  # holds its group's prompt KV while resident
+    # the prefix cache's node its row's leading slots come from (locked while resident), the
+    # weight version its KV was computed with, and how many tokens it found cached (last admission)
+    cache_node: Optional[CacheNode] = field(default=None, repr=False)
+    # its own slots of tokens the tree already had when its prefill went in (freed when it leaves)
+    dup_slots: Optional[np.ndarray] = field(default=None, repr=False)
+    kv_version: int = -1
+    cached_tokens: int = 0
     stop_strings: Optional[StopStrings] = field(default=None, repr=False)  # params.stop's checker
     matched_stop: Union[int, str, None] = None  # the stop token id or stop string that ended it
 

@@ -17,7 +17,14 @@ sampling, and only then waits for the previous batch's tokens and applies them. 
 (scheduling, metadata, graph launch, bookkeeping) thus runs while the GPU computes. A request
 that turns out to have finished (stop token) was queued once more: that row's result is dropped
 and its KV freed when the step completes. Requests that finish on length are known ahead and
-never queued again. Retraction, aborts and pauses first complete the step in flight (`drain`)."""
+never queued again. Retraction, aborts and pauses first complete the step in flight (`drain`).
+
+Prefix cache (`prefix_cache`, on by default): a request that leaves (finished or aborted) puts
+its tokens' KV into the cache's tree instead of freeing it; an admitted request whose tokens
+start with cached ones points its row at those slots and computes only the rest. Cached slots
+that no request uses are evicted, least recently used first, when admission or a decode step
+needs slots — before any request is retracted. Every weight change (`commit_weights`) empties
+the tree of the old KV."""
 from __future__ import annotations
 
 import logging
@@ -25,12 +32,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from rollout.batch_builder import build_batch, build_decode_batch
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
 from rollout.launched_step import HostSample, LaunchedStep
+from rollout.prefix_cache import CacheNode, PrefixCache
+from rollout.prompt_group import PromptGroup
 from rollout.request import Request
 from rollout.sampler import SampleOutput
 from rollout.sampling_info import SamplingBatchInfo
@@ -38,6 +48,7 @@ from rollout.sampling_info import SamplingBatchInfo
 logger = logging.getLogger(__name__)
 
 RunBatch = Callable[[ForwardBatch], SampleOutput]
+EVICT_FRACTION = 64  # an eviction frees at least capacity / this (`make_room`)
 
 
 @dataclass
@@ -50,6 +61,8 @@ class SchedulerStats:
     dropped_rows: int = 0  # overlap: rows queued for a request that had finished meanwhile
     shared_prompt_tokens: int = 0  # prompt tokens admitted with their KV cached (prompt_group)
     mixed_decode_tokens: int = 0  # decode tokens computed in an admission's step (mixed steps)
+    cached_prompt_tokens: int = 0  # tokens admitted with their KV found in the prefix cache
+    evicted_tokens: int = 0  # prefix-cache slots freed for other work
 
 
 @dataclass(frozen=True)
@@ -62,13 +75,18 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, allocator: KVAllocator, limits: SchedulerLimits, run_batch: RunBatch,
-                 device: torch.device, overlap: bool = False, mixed: bool = False):
+                 device: torch.device, overlap: bool = False, mixed: bool = False,
+                 prefix_cache: bool = False, weights_epoch: Callable[[], int] = lambda: 0):
         self.alloc, self.limits, self.run_batch, self.device = allocator, limits, run_batch, device
         self.overlap, self.mixed = overlap, mixed
+        # the runner's count of weight writes; with the commits of versions, what cached KV is
+        # tagged with (a version may be pushed again, and weights may be written with none)
+        self._weights_epoch, self._commits = weights_epoch, 0
+        self.cache: Optional[PrefixCache] = PrefixCache(self.kv_epoch) if prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
-        self.weight_version = 0
+        self._weight_version = 0
         self._info_key: Optional[tuple[int, ...]] = None
         self._info: Optional[SamplingBatchInfo] = None
         self._inflight: Optional[LaunchedStep] = None
@@ -102,10 +120,56 @@ class Scheduler:
             if req.finish_reason is None:
                 req.finish_reason = "abort"
             req.row, req.kv_allocated, req.shared_len, req.pending = None, 0, 0, 0
+            req.cache_node, req.group_member, req.dup_slots = None, False, None
         self.running, self.waiting, self.finished_pending = [], deque(), []
         self._info_key, self._info = None, None
         self.alloc.reset()
+        if self.cache is not None:
+            self.cache.clear()  # its slots are free again with the rest
         return dropped
+
+    # ---- weights and the prefix cache ----------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.commit_weights(version)
+
+    def commit_weights(self, version: int) -> None:
+        """New weights are in place as `version` (which may repeat the last one): the cached KV
+        of the old ones goes (requests still running keep theirs: `in_place` updates)."""
+        self._weight_version = version
+        self._commits += 1
+        self._check_cache_epoch()
+
+    @property
+    def kv_epoch(self) -> int:
+        """Changes whenever the weights may have: with every write to them and every commit."""
+        return self._weights_epoch() + self._commits
+
+    def _check_cache_epoch(self) -> None:
+        """The cached KV goes once the weights have changed (held entries turn stale)."""
+        if self.cache is not None and self.cache.version != (epoch := self.kv_epoch):
+            self.alloc.release(self.cache.invalidate(epoch))
+
+    def drop_prefix_cache(self) -> None:
+        """Every cached slot back to the pool (no request may be resident): the KV memory is
+        being released, so what it holds will not survive."""
+        if self.cache is not None:
+            self.alloc.release(self.cache.clear())
+
+    def make_room(self, num_slots: int) -> bool:
+        """Evicts unused cached KV until `num_slots` slots are free, if it can; whether they are.
+        An eviction frees at least 1/64 of the pool: it walks the whole tree, so a pool full of
+        cached KV pays it once every many admissions, not at each."""
+        short = num_slots - self.alloc.num_free_slots
+        if short > 0 and self.cache is not None:
+            freed = self.cache.evict(max(short, self.alloc.capacity // EVICT_FRACTION))
+            self.alloc.release(freed)
+            self.stats.evicted_tokens += len(freed)
+        return num_slots <= self.alloc.num_free_slots
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -144,24 +208,31 @@ class Scheduler:
         KV is cached (or computed in this step) computes only what follows it (`prompt_group`).
         With `mixed`, the running requests' next tokens ride along (one token each after their
         cached KV, first in the batch): they do not wait for the admission's step."""
-        picked, cached, tokens = [], [], 0
-        step, version = self.stats.steps, self.weight_version
+        picked, cached, hits, tokens = [], [], [], 0
+        step, version, epoch = self.stats.steps, self.weight_version, self.kv_epoch
+        self._check_cache_epoch()
         while self.waiting and len(self.running) + len(picked) < self.limits.max_running:
             req = self.waiting[0]
             group = req.group
             prefix = group.admission_prefix(step, version) if group is not None else 0
+            follows, node = prefix > 0, None
+            if not follows and self.cache is not None:
+                node, prefix = self._match(req)
             need = req.length - prefix
             fits_budget = not picked or tokens + need <= self.limits.max_prefill_tokens
             reserve = len(self.running) + len(picked) + 1
-            if not fits_budget or tokens + need + reserve > self.alloc.num_free_slots:
-                break
-            if self.alloc.num_free_rows == 0:
+            if (not fits_budget or self.alloc.num_free_rows == 0
+                    or not self.make_room(tokens + need + reserve)):
+                if node is not None:
+                    self.alloc.release(self.cache.unlock(node))
                 break
             req.row = self.alloc.alloc_row()
-            if group is not None and not prefix and group.vacant:
+            if group is not None and not follows and group.vacant:
                 group.reserve_lead(step, req.row)
             picked.append(self.waiting.popleft())
             cached.append(prefix)
+            hits.append(node)
+            req.kv_version, req.cached_tokens = epoch, prefix if node is not None else 0
             tokens += need
         if not picked:
             return None
@@ -171,16 +242,28 @@ class Scheduler:
                          [[0 if r.pending else r.last_id] for r in decoding]
                          + [r.prefill_ids_from(p) for r, p in zip(picked, cached)],
                          [r.kv_len for r in decoding] + cached,
-                         shared=self._shared_rows(picked, cached, step))
+                         shared=self._shared_rows(picked, cached, hits, step))
         if prev is not None and decoding:
             _take_pending_inputs(fb, decoding, prev)  # one token a row: row i is token i
-        self._share_prompts(picked, cached, step, version)
+        self._share_prompts(picked, cached, hits, step, version)
         self.running.extend(picked)
         self.stats.prefill_tokens += tokens
         self.stats.decode_tokens += len(decoding)
         self.stats.mixed_decode_tokens += len(decoding)
-        self.stats.shared_prompt_tokens += sum(cached)
+        from_cache = sum(r.cached_tokens for r in picked)
+        self.stats.cached_prompt_tokens += from_cache
+        self.stats.shared_prompt_tokens += sum(cached) - from_cache
         return decoding + picked, fb
+
+    def _match(self, req: Request) -> tuple[Optional[CacheNode], int]:
+        """The cached prefix of what `req` must compute (all but its last token, whose logits it
+        samples from), its node locked; (None, 0) when nothing is cached."""
+        ids = req.prefill_ids
+        node, n = self.cache.match(np.asarray(ids[:len(ids) - 1], dtype=np.int64))
+        if n == 0:
+            return None, 0
+        self.cache.lock(node)
+        return node, n
 
     def _decoding(self) -> list[Request]:
         """The running requests that still need a token (with overlap, one that ends on length
@@ -190,38 +273,80 @@ class Scheduler:
         return list(self.running)
 
     def _shared_rows(self, picked: Sequence[Request], cached: Sequence[int],
+                     hits: Sequence[Optional[CacheNode]],
                      step: int) -> Optional[list[tuple[int, int, int]]]:
-        """(row, source row, n) for each follower: its row's first n slots are the source
-        row's once the batch has its slots — its leader's in this step, else the group's held
-        slots, which go into its own row here (`build_batch`'s `shared`)."""
+        """(row, source row, n) for each request that starts with cached KV: its row's first n
+        slots are the source row's once the batch has its slots — its group leader's in this
+        step, else the prefix cache's or the group's held slots, which go into its own row here
+        (`build_batch`'s `shared`)."""
         shared = []
-        for req, prefix in zip(picked, cached):
+        for req, prefix, node in zip(picked, cached, hits):
             if not prefix:
                 continue
             group = req.group
-            if group.lead_step == step:
+            if node is not None:
+                self.alloc.table[req.row, :prefix] = self.cache.path_slots(node)
+                shared.append((req.row, req.row, prefix))
+            elif group.lead_step == step:
                 shared.append((req.row, group.lead_row, prefix))
             else:
                 self.alloc.table[req.row, :prefix] = group.slots
                 shared.append((req.row, req.row, prefix))
         return shared or None
 
-    def _share_prompts(self, picked: Sequence[Request], cached: Sequence[int], step: int,
-                       version: int) -> None:
-        """After the batch took its slots: leaders hand their prompts' KV slots to their groups,
-        followers join theirs; both then hold the group's slots, not their own. (A leader is
+    def _share_prompts(self, picked: Sequence[Request], cached: Sequence[int],
+                       hits: Sequence[Optional[CacheNode]], step: int, version: int) -> None:
+        """After the batch took its slots. Followers join their group: they hold its slots, not
+        their own. With the prefix cache, what this step computes of every other request (all
+        its tokens but the last) goes into the tree now, so later steps find it — a system
+        prompt that a call's prompts share, across its admission steps — and the request holds
+        that node. A leader hands its prompt's slots to its group (with the cache: the group
+        holds the tree's node of the prompt, and owns the leader's duplicates). (A leader is
         picked before the followers of its step.)"""
-        for req, prefix in zip(picked, cached):
+        for req, prefix, node in zip(picked, cached, hits):
             group = req.group
-            if group is None:
-                continue
-            if prefix:
+            if group is not None and prefix and node is None:
                 group.follow()
-            elif group.vacant and group.lead_step == step and group.lead_row == req.row:
-                group.lead(self.alloc.table[req.row, :group.prefix_len].copy(), version)
-            else:  # prefilled alone (the group's KV is of other weights)
+                if group.node is not None:
+                    self.cache.lock(group.node)
+                req.group_member, req.shared_len = True, group.prefix_len
                 continue
-            req.shared_len = group.prefix_len
+            duplicates = self._cache_prefill(req, prefix, node) if self.cache is not None else None
+            if (group is not None and group.vacant and group.lead_step == step
+                    and group.lead_row == req.row):
+                self._lead(req, group, version, duplicates)
+            elif duplicates is not None and len(duplicates):
+                req.dup_slots = duplicates
+
+    def _cache_prefill(self, req: Request, cached: int, node: Optional[CacheNode]) -> np.ndarray:
+        """Inserts the tokens `req` computes in this step (after `cached` from the tree) but its
+        last; it holds the new node instead of `node`. Returns its own slots of tokens the tree
+        had already (another request of this step computed them too)."""
+        ids = req.prefill_ids
+        n = len(ids) - 1
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        new, duplicates = self.cache.insert(np.asarray(ids[:n], dtype=np.int64),
+                                            self.alloc.table[req.row, :n], own_from=cached)
+        self.cache.lock(new)
+        if node is not None:
+            self.cache.unlock(node)  # a live node: frees nothing
+        req.cache_node, req.shared_len = new, n
+        return duplicates
+
+    def _lead(self, req: Request, group: PromptGroup, version: int,
+              duplicates: Optional[np.ndarray]) -> None:
+        """`req` computed its group's prompt: the group takes the prompt's slots — or, with the
+        cache, which took them already, holds the tree's node of the prompt and the leader's
+        `duplicates` (slots in the followers' rows too)."""
+        if self.cache is None:
+            group.lead(self.alloc.table[req.row, :group.prefix_len].copy(), version)
+        else:
+            node, _ = self.cache.match(np.asarray(req.prompt_ids[:group.prefix_len], dtype=np.int64))
+            self.cache.lock(node)
+            group.lead(duplicates, version, node)
+        req.group_member = True
+        req.shared_len = max(req.shared_len, group.prefix_len)
 
     def _decode_batch(self, prev: Optional[LaunchedStep]) -> Optional[tuple[list[Request], ForwardBatch]]:
         """Every running request that still needs a token. Behind a step in flight (`prev`),
@@ -229,10 +354,10 @@ class Scheduler:
         prev to complete (None here), as it frees KV and keeps the request's tokens."""
         # Without overlap nothing is pending between steps, so no request ends by length unseen.
         reqs = self._decoding()
-        if len(reqs) > self.alloc.num_free_slots:
+        if not self.make_room(len(reqs)):
             if prev is not None:
                 return None
-            while self.running and self.alloc.num_free_slots < len(self.running):
+            while self.running and not self.make_room(len(self.running)):
                 self._retract(self.running[-1])
             reqs = list(self.running)
         if not reqs:
@@ -302,23 +427,44 @@ class Scheduler:
 
     # ---- retract / abort / release ------------------------------------------------------------
     def _retract(self, req: Request) -> None:
-        self._release(req)
+        self._release(req, cache_kv=False)  # it leaves for want of slots, or of these weights
         req.num_retractions += 1
         self.waiting.appendleft(req)
         self.stats.retractions += 1
         logger.debug("retracted request %d (%d tokens)", req.rid, req.length)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, cache_kv: bool = True) -> None:
         self.running.remove(req)
-        self._free_kv(req)
+        self._free_kv(req, cache_kv)
 
-    def _free_kv(self, req: Request) -> None:
-        self.alloc.free(req.row, req.kv_allocated, start=req.shared_len)
-        if req.shared_len:  # the group's slots go back with its last holder
-            slots = req.group.leave()
+    def _free_kv(self, req: Request, cache_kv: bool = True) -> None:
+        """Gives back the request's row and slots: its own slots go into the prefix cache
+        (`cache_kv`, when on and the KV is of the current weights) or back to the pool; its
+        holds on cached and group slots end (the group's go back with its last holder)."""
+        own, cache = req.shared_len, self.cache
+        self._check_cache_epoch()
+        if cache_kv and cache is not None and req.kv_version == cache.version:
+            # the KV of every token but the last applied one is computed by completed steps
+            n = min(req.kv_allocated, req.length - 1)
+            row = self.alloc.table[req.row]
+            _, untaken = cache.insert(np.asarray(req.all_ids[:n], dtype=np.int64), row[:n],
+                                      own_from=own)
+            self.alloc.release(untaken)
+            own = max(own, n)
+        self.alloc.free(req.row, req.kv_allocated, start=own)
+        if req.cache_node is not None:
+            self.alloc.release(cache.unlock(req.cache_node))
+        if req.group_member:  # the group's slots go back with its last holder
+            group = req.group
+            if group.node is not None:
+                self.alloc.release(cache.unlock(group.node))
+            slots = group.leave()
             if slots is not None:
                 self.alloc.release(slots)
+        if req.dup_slots is not None:
+            self.alloc.release(req.dup_slots)
         req.row, req.kv_allocated, req.shared_len = None, 0, 0
+        req.cache_node, req.group_member, req.dup_slots = None, False, None
 
     def retract_all(self) -> None:
         """Move every running request back to the queue (their KV is recomputed later)."""

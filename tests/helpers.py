@@ -103,3 +103,21 @@ class RunnerDriver:
             return self.runner.forward(fb)
         finally:
             self.runner.release_cpu_threads()
+
+
+def kv_pool_whole(scheduler) -> bool:
+    """Nothing resident and every KV slot with exactly one owner: the allocator's free lists or
+    the prefix cache's tree (whose nodes no request holds), each slot 1..capacity once; every
+    request row free. What an engine between calls must be (a leak or a double free fails)."""
+    import numpy as np
+    alloc, cache = scheduler.alloc, scheduler.cache
+    parts = [alloc._free_slots, *alloc._released]
+    if cache is not None:
+        nodes = cache._nodes()
+        if any(x.holders for x in nodes):
+            return False
+        parts += [x.slots for x in nodes]
+    owned = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    return (not scheduler.has_work and not scheduler.finished_pending
+            and alloc.num_free_rows == alloc.table.shape[0]
+            and np.array_equal(owned, np.arange(1, alloc.capacity + 1)))

@@ -96,7 +96,8 @@ def test_seed_none_is_drawn_like_an_engine(tiny_dirs, ray_session, tp_size, num_
 def test_n_samples_of_a_prompt_stay_on_one_replica(controllers):
     ctl = controllers["dp2"]
     before = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
-    prompts = [RAGGED[1], RAGGED[3]]  # 7 and 10 tokens; idle replicas: prompt i → replica i
+    # 7 and 10 tokens no earlier call gave (nothing of them cached); idle replicas: i → replica i
+    prompts = [[253] + RAGGED[1][1:], [254] + RAGGED[3][1:]]
     outs = ctl.generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=1))
     after = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
     # each replica computed its prompt once and one token for each other sample (the samples
@@ -109,16 +110,35 @@ def test_n_samples_of_a_prompt_stay_on_one_replica(controllers):
 def test_copies_of_a_prompt_go_where_its_first_copy_goes(controllers, engine):
     """A prompt given again in the call follows its first copy to that replica, where their
     samples share the prompt's KV: the first replica computes prompt 7 tokens + 1, the other
-    the 10-token prompt; the outputs are the single engine's."""
+    the 10-token prompt; the outputs are the single engine's. (Prompts no earlier call gave:
+    the replicas' prefix caches hold nothing of them.)"""
     ctl = controllers["dp2"]
     before = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
-    prompts = [RAGGED[1], RAGGED[3], RAGGED[1]]  # idle replicas: 0, 1, then the copy to 0
+    seven, ten = [251] + RAGGED[1][1:], [252] + RAGGED[3][1:]
+    prompts = [seven, ten, seven]  # idle replicas: 0, 1, then the copy to 0
     sp = SamplingParams(max_new_tokens=4, seed=3)
     outs = ctl.generate(prompts, sp)
     after = [r["shards"][0]["stats"]["prefill_tokens"] for r in ctl.status()]
     assert [a - b for a, b in zip(after, before)] == [7 + 1, 10]
     assert_same(outs, engine.generate(prompts, sp))
     assert all(r["alive"] and r["outstanding_work"] == 0 for r in ctl.status())
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_next_turns_go_where_their_conversation_is_cached(controllers, engine, layout):
+    """Turn 2 of each conversation (turn 1's prompt and sample, then a 'tool reply') runs on the
+    replica that served turn 1 — given in reverse order, where the least-loaded assignment alone
+    would swap them — and finds all of turn 1 but its last token cached; the outputs are the
+    single engine's (TP: the followers read the cached prefix too)."""
+    ctl = controllers[layout]
+    turn1 = [[240 + i, 5, 6, 7, 8 + i] for i in range(4)]  # prompts no other test gives
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
+    first = ctl.generate(turn1, sp)
+    assert_same(first, engine.generate(turn1, sp))
+    turn2 = [o.prompt_token_ids + o.token_ids + [9, 10] for o in first][::-1]
+    got = ctl.generate(turn2, sp)
+    assert_same(got, engine.generate(turn2, sp))
+    assert [o.cached_tokens for o in got] == [len(p) - 3 for p in turn2]
 
 
 def test_async_forms_equal_generate(controllers, engine):

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from rollout import Engine, EngineConfig, KVCacheBudgetError, SamplingParams, WeightUpdateError
-from tests.helpers import hf_model
+from tests.helpers import hf_model, kv_pool_whole
 from tests.test_weight_sync import perturb
 
 ARCH = "Qwen2ForCausalLM"
@@ -59,9 +59,7 @@ def _fails_within(seconds: int):
 
 def _whole(engine: Engine) -> bool:
     """Every KV slot and request row free, no request left anywhere."""
-    s, alloc = engine.scheduler, engine.scheduler.alloc
-    return (alloc.num_free_slots == alloc.capacity and alloc.num_free_rows == alloc.table.shape[0]
-            and not s.has_work and not s.finished_pending)
+    return kv_pool_whole(engine.scheduler)
 
 
 def test_a_step_that_raises_leaves_nothing_behind(tiny_dirs, overlap, reference):

@@ -10,7 +10,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.scheduler import SchedulerStats
-from tests.helpers import hf_model
+from tests.helpers import hf_model, kv_pool_whole
 from tests.test_generate import RAGGED
 from tests.test_overlap_schedule import _assert_same as assert_same_samples
 from tests.test_overlap_schedule import _mixed_params
@@ -30,9 +30,7 @@ def _assert_same(a, b):
 
 
 def _assert_idle(engine):
-    sched = engine.scheduler
-    assert not sched.has_work and sched.alloc.num_free_slots == sched.alloc.capacity
-    assert sched.alloc.num_free_rows == engine.config.max_running_requests + 1
+    assert kv_pool_whole(engine.scheduler)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -13,14 +13,15 @@ from tokenizers import Tokenizer
 from rollout import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from rollout.stop_strings import StopStrings
 from rollout.tiny_model import TinyModelSpec, make_tiny_model
+from tests.helpers import gpu
 
 ARCH = "Qwen2ForCausalLM"
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21]]
 NEW = 64
 
 
-def _engine(path: str, overlap: bool = False) -> Engine:
-    return Engine(EngineConfig(model_path=path, kv_cache_tokens=1024, overlap_schedule=overlap))
+def _engine(path: str, overlap: bool = False, **cfg) -> Engine:
+    return Engine(EngineConfig(model_path=path, kv_cache_tokens=1024, overlap_schedule=overlap, **cfg))
 
 
 def _params(stop=(), n: int = 1) -> SamplingParams:
@@ -55,7 +56,17 @@ def tokenizer(tiny_dirs) -> Tokenizer:
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_samples_end_at_the_first_token_that_completes_a_stop_string(tiny_dirs, tokenizer,
                                                                      overlap):
-    engine = _engine(tiny_dirs[ARCH], overlap)
+    _check_stops(_engine(tiny_dirs[ARCH], overlap), tokenizer, atol=1e-5)
+
+
+@gpu
+def test_gpu_samples_end_at_the_first_token_that_completes_a_stop_string(tiny_dirs, tokenizer):
+    """The GPU path (graphs, overlap, the fused sampler) in float32: the same cut."""
+    _check_stops(_engine(tiny_dirs[ARCH], None, device="cuda", dtype="float32"), tokenizer,
+                 atol=1e-3)
+
+
+def _check_stops(engine: Engine, tokenizer: Tokenizer, atol: float) -> None:
     reference = engine.generate(PROMPTS, _params())
     stops = [_stops_from(o.text) for o in reference]
     assert any(len(s[0]) == 2 for s in stops)  # a stop spanning two tokens is in the case
@@ -64,8 +75,8 @@ def test_samples_end_at_the_first_token_that_completes_a_stop_string(tiny_dirs, 
         end = _first_stop(tokenizer, ref.token_ids, s)
         assert 0 < end < NEW, "the case must stop early"
         assert out.token_ids == ref.token_ids[:end]
-        # the batch shrinks differently, so CPU GEMMs may round the last fp32 bits otherwise
-        assert out.logprobs == pytest.approx(ref.logprobs[:end], abs=1e-5)
+        # the batch shrinks differently, so GEMMs may round the last fp32 bits otherwise
+        assert out.logprobs == pytest.approx(ref.logprobs[:end], abs=atol)
         assert out.finish_reason == "stop" and out.matched_stop == s[0]
         assert out.text == tokenizer.decode(out.token_ids) and s[0] in out.text
     # the engine goes on as before: the same call without stops gives the reference again
