@@ -12,8 +12,8 @@ It is a radix tree of the samples' tokens (prompt ids, or the code points of a t
 its output text) whose value per token is a replica index — the prefix cache's tree with a
 replica in place of a KV slot. It only advises: a replica may have evicted what the tree
 remembers, and a wrong guess costs a prefill, never a wrong result. A weight update empties it
-(every cache is emptied), as does a replica's rebuild for that replica's entries (lazily: its
-entries are dropped when matched)."""
+(every cache is emptied); a replica's rebuild voids that replica's entries (each is tagged with
+the replica's rebuild count: older ones are ignored when matched, and age out of the bound)."""
 from __future__ import annotations
 
 from typing import Sequence, Union
