@@ -268,8 +268,8 @@ def _fetched(kind: str, payload):
 
 
 # A threaded actor: status()/shutdown() and weight updates run while generate() is busy. The
-# calls that wait for the engine (generate, prefill_logits: one at a time) have threads of their
-# own, so however many arrive they never take the threads that a weight update's pause → load →
-# commit → resume, or status and shutdown, need (they would wait for a resume no thread is left
-# to run).
-RolloutShardActor = ray.remote(max_concurrency=4, concurrency_groups={"generate": 32})(RolloutShard)
+# generate calls (which share the engine's batch: an agent loop's trajectories, one call a turn
+# each) and prefill_logits have threads of their own, so however many arrive they never take the
+# threads that a weight update's pause → load → commit → resume, or status and shutdown, need
+# (they would wait for a resume no thread is left to run); up to 256 calls batch at once.
+RolloutShardActor = ray.remote(max_concurrency=4, concurrency_groups={"generate": 256})(RolloutShard)

@@ -786,6 +786,14 @@ for stage in "$@"; do
               --conversations 64 --turns 6 --out "$OUT/multi_turn36_h200.json"
           run pc36upd 240 python3 benchmarks/multi_turn_rollout.py --shape qwen2-1.5b --device cuda \
               --conversations 64 --turns 6 --weight-update-every 2 --out "$OUT/multi_turn36_upd_h200.json" ;;
+    # an agent loop's rollout: concurrent agenerate tasks vs lockstep calls vs one call at a time
+    # (bf16 at the benchmark shape; float32 on a small shape, where the modes' samples must agree)
+    agent36) run agent36 300 python3 benchmarks/agent_loop.py --shape qwen2-1.5b --device cuda \
+              --conversations 64 --turns 4 --prompt-len 256 --new-tokens 128 --reply-len 64 \
+              --serial-conversations 4 --out "$OUT/agent_loop36_h200.json"
+             run agent36f32 200 python3 benchmarks/agent_loop.py --shape cpu-small --device cuda \
+              --dtype float32 --conversations 32 --turns 3 --prompt-len 64 --new-tokens 32 \
+              --reply-len 16 --serial-conversations 32 --out "$OUT/agent_loop36_fp32_h200.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence
 
 from rollout.config import EngineConfig, ModelConfig
@@ -13,6 +14,7 @@ from rollout.engine_weights import EngineWeightsMixin
 import torch
 
 from rollout.batch_builder import build_batch
+from rollout.call_board import CallBoard
 from rollout.errors import EngineNotReadyError, InvalidRequestError, KVCacheBudgetError
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
@@ -30,8 +32,8 @@ from weight_sync.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
+ASYNC_CALLS = 512  # agenerate calls that can be in flight at once (each holds a waiting thread)
 UPDATE_WAIT_S = 600.0  # a call arriving while a weight update loads waits this long for it
-LOCK_WARN_S = 30.0  # a call waiting this long for the engine logs why, and again each time
 
 WEIGHTS_RELEASED = ("the weights were released by release_memory and are undefined after "
                     "resume_memory; push a full weight update")
@@ -51,10 +53,11 @@ class Engine(EngineWeightsMixin):
         limits = PromptLimits(self.model_config.vocab_size, self.runner.max_context_len,
                               self.runner.num_token_slots - 1)
         self._requests = RequestBuilder(limits, self.tokenizer, config.seed, config.share_prompt_kv)
-        self._lock = threading.Lock()  # one generation at a time
+        self._board = CallBoard()  # the calls in flight, sharing the scheduler
+        self._async_pool: Optional[ThreadPoolExecutor] = None  # agenerate's threads
         self._weights_lock = threading.RLock()  # weight updates vs. release/resume of memory
         self.gate = StepGate()
-        self._dropped = False  # a call ended early and its requests still wait to be dropped
+        self._deferred_drops: set[int] = set()  # requests of calls ended early, still to drop
         self.updater = WeightUpdater(self.runner, check_finite=config.check_finite)
 
     def _make_scheduler(self) -> Scheduler:
@@ -89,8 +92,8 @@ class Engine(EngineWeightsMixin):
         self._check_ready(wait_for_update=True)
         check_prompt_list(prompts)
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
-        with self._engine_lock("prefill_logits()"):
-            self._reset_if_dropped()
+        with self._board.exclusive("prefill_logits()"):
+            self._drop_deferred()
             with self.gate.step():
                 return self._prefill_logits(ids)
 
@@ -134,73 +137,94 @@ class Engine(EngineWeightsMixin):
 
     async def agenerate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None,
                         **kw: Any) -> list[GenerateOutput]:
-        """asyncio form of generate(); the work runs in a worker thread."""
-        return await asyncio.to_thread(self.generate, prompts, sampling_params, **kw)
+        """asyncio form of generate(); the work runs in a worker thread of the engine's own pool,
+        large enough that concurrent calls (an agent loop's trajectories) batch together rather
+        than wait for a thread of asyncio's default pool (a few per core)."""
+        if self._async_pool is None:
+            self._async_pool = ThreadPoolExecutor(max_workers=ASYNC_CALLS, thread_name_prefix="engine-call")
+        call = functools.partial(self.generate, prompts, sampling_params, **kw)
+        return await asyncio.get_running_loop().run_in_executor(self._async_pool, call)
 
     def _run(self, reqs: list[Request], show: bool) -> Iterator[GenerateOutput]:
-        """One call's requests, step by step. The loop's test and each step run inside the
-        gate, serialized with a pause or an abort from another thread. If the call ends early —
-        a step raised, or the caller closed (or dropped) the iterator — its requests are dropped
-        with their KV, so nothing of it reaches the next call."""
-        with self._engine_lock("generate()"):
+        """One call's requests, in the scheduler with those of every other call in flight
+        (`call_board`): while it has no finished sample to yield, the call's thread runs steps
+        for all of them, or waits for the thread that does. Each step runs inside the gate,
+        serialized with a pause or an abort from another thread. If the call ends early — the
+        caller closed (or dropped) the iterator — its unfinished requests are dropped with their
+        KV; a step that raises fails every call in flight and drops all their requests, so
+        nothing of them reaches a later call."""
+        with self._board.call():
             self._check_ready()  # memory may have been released meanwhile
-            self._reset_if_dropped()
-            scheduler, runner, complete = self.scheduler, self.runner, False
+            self._drop_deferred()
+            call, runner = self._board.open(reqs), self.runner
+            complete = False
             try:
                 with self.gate.exclusive():
                     self._check_ready()  # not fenced meanwhile: then its abort would miss these
                     for r in reqs:
-                        scheduler.add(r)
+                        self.scheduler.add(r)
                 with progress_bar(len(reqs), show) as bar:
-                    while True:
-                        with self.gate.step():
-                            if not (scheduler.has_work or scheduler.finished_pending):
-                                break
-                            finished = scheduler.step()
-                            if not finished and scheduler.stuck:
-                                raise KVCacheBudgetError(_stuck_message(scheduler))
-                        if finished:
-                            runner.release_cpu_threads()  # the caller runs between yields
+                    while (finished := self._board.take_or_drive(call)) != []:
+                        if finished is None:
+                            self._drive()
+                            continue
+                        runner.release_cpu_threads()  # the caller runs between yields
                         for req in finished:
                             bar.update(1)
                             yield self._output(req)
                 complete = True
             finally:
-                if not complete:
-                    self._drop_call()
+                unfinished = self._board.close(call)
+                if not complete and unfinished:
+                    self._drop_requests(unfinished)
                 runner.release_cpu_threads()
 
-    def _drop_call(self) -> None:
-        """The call's requests go, with their KV — at once, or, if this thread holds the gate
-        (the call was dropped by a garbage collection inside its own step or pause), when the
-        engine is next taken."""
-        if self.gate.held_here:
-            self._dropped = True
-            return
-        self._dropped = False
+    def _drive(self) -> None:
+        """One step for every call in flight (this thread holds the drive); its finished
+        requests go to their calls. A step that raises fails them all and resets the scheduler."""
+        try:
+            with self.gate.step():
+                self._drop_deferred()
+                scheduler = self.scheduler
+                if not (scheduler.has_work or scheduler.finished_pending):
+                    raise RuntimeError("a generate call waits for requests the scheduler does "
+                                       "not hold (a bug): the calls in flight are failed")
+                finished = scheduler.step()
+                if not finished and scheduler.stuck:
+                    raise KVCacheBudgetError(_stuck_message(scheduler))
+            self._board.deliver(finished)
+        except BaseException as e:
+            self._board.fail_all(e)
+            self._reset_after_failure()
+            raise
+        finally:
+            self._board.release_drive()
+
+    def _reset_after_failure(self) -> None:
         with self.gate.exclusive():
             dropped = self.scheduler.reset()
         if dropped:
-            logger.warning("a generate call ended early (an error, or its iterator was closed): "
-                           "%d unfinished request(s) dropped with their KV", len(dropped))
+            logger.warning("a step failed: the %d unfinished request(s) of the calls in flight were "
+                           "dropped with their KV", len(dropped))
 
-    def _reset_if_dropped(self) -> None:
-        if self._dropped:
-            self._drop_call()
+    def _drop_requests(self, rids: set[int]) -> None:
+        """A call's unfinished requests go, with their KV — at once, or, if this thread holds the
+        gate (the call was dropped by a garbage collection inside a step or a pause), at the
+        next step or call."""
+        if self.gate.held_here:
+            self._deferred_drops |= rids
+            return
+        with self.gate.exclusive():
+            dropped = self.scheduler.drop(rids)
+        if dropped:
+            logger.warning("a generate call ended early (its iterator was closed): %d unfinished "
+                           "request(s) dropped with their KV", dropped)
 
-    @contextlib.contextmanager
-    def _engine_lock(self, what: str) -> Iterator[None]:
-        """The engine, for one call at a time; a call that waits long says for what (another
-        call, e.g. a generate_iter left open — by this very thread, it would wait forever)."""
-        waited = 0.0
-        while not self._lock.acquire(timeout=LOCK_WARN_S):
-            waited += LOCK_WARN_S
-            logger.warning("%s has waited %.0f s for this engine: another call holds it (a "
-                           "generate_iter not exhausted or closed?)", what, waited)
-        try:
-            yield
-        finally:
-            self._lock.release()
+    def _drop_deferred(self) -> None:
+        if self._deferred_drops:
+            rids, self._deferred_drops = self._deferred_drops, set()
+            with self.gate.exclusive():  # (nested inside a step's hold)
+                self.scheduler.drop(rids)
 
     def _output(self, req: Request) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
@@ -243,8 +267,8 @@ class Engine(EngineWeightsMixin):
         Waits for a running generate() to end; until resume_memory, generate() raises
         EngineNotReadyError. Released weights come back undefined, so from here on the engine
         refuses to generate until a full weight update lands (release → train → resume → push)."""
-        with self._engine_lock("release_memory()"), self._weights_lock:
-            self._reset_if_dropped()
+        with self._board.exclusive("release_memory()"), self._weights_lock:
+            self._drop_deferred()
             self.runner.release_memory(tags)
             if "kv_cache" in self.runner.released:
                 self.scheduler.drop_prefix_cache()  # its KV is gone
@@ -253,13 +277,15 @@ class Engine(EngineWeightsMixin):
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Re-allocate what release_memory freed (the KV cache zeroed; CUDA graphs re-captured)."""
-        with self._engine_lock("resume_memory()"), self._weights_lock:
+        with self._board.exclusive("resume_memory()"), self._weights_lock:
             self.runner.resume_memory(tags)
 
     def shutdown(self) -> None:
         with self.gate.exclusive():
             self.scheduler.abort_all()
         self.runner = None  # frees weights and KV pools once no one else holds them
+        if self._async_pool is not None:
+            self._async_pool.shutdown(wait=False)
 
     def __enter__(self) -> "Engine":
         return self

@@ -480,6 +480,19 @@ class Scheduler:
                 return self._abort(req) if req.finish_reason is None else None
         return None
 
+    def drop(self, rids: set[int]) -> int:
+        """Ends the requests `rids` of a call that ended early (closed, or its caller gone) and
+        forgets them: their KV goes (cached, when the prefix cache is on), nothing returns them.
+        Returns how many it found unfinished."""
+        mine = [r for r in list(self.running) + list(self.waiting) if r.rid in rids]
+        if any(r.row is not None for r in mine):
+            self.drain()  # the step in flight may still write their KV slots
+        for req in mine:
+            if req.finish_reason is None:
+                self._abort(req)
+        self.finished_pending = [r for r in self.finished_pending if r.rid not in rids]
+        return len(mine)
+
     def abort_all(self) -> list[Request]:
         self.drain()
         return [self._abort(r) for r in list(self.running) + list(self.waiting)]

@@ -141,6 +141,22 @@ def test_next_turns_go_where_their_conversation_is_cached(controllers, engine, l
     assert [o.cached_tokens for o in got] == [len(p) - 3 for p in turn2]
 
 
+def test_concurrent_calls_batch_on_a_replica(controllers, engine):
+    """Eight one-prompt `generate_async` calls in flight at once on one replica (TP=2) share its
+    batch: it takes far fewer steps than the calls one after another would (8 × 16), and each
+    call gets the single engine's samples."""
+    ctl = controllers["tp2"]
+    sps = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=60 + i, ignore_eos=True)
+           for i in range(8)]
+    prompts = [[230 + i, 3, 4] for i in range(8)]
+    before = ctl.status()[0]["shards"][0]["stats"]["steps"]
+    futures = [ctl.generate_async([p], sp) for p, sp in zip(prompts, sps)]
+    outs = [f.result(timeout=120) for f in futures]
+    assert ctl.status()[0]["shards"][0]["stats"]["steps"] - before < 8 * 16 // 2
+    for out, p, sp in zip(outs, prompts, sps):
+        assert_same(out, engine.generate([p], sp))
+
+
 def test_async_forms_equal_generate(controllers, engine):
     ctl = controllers["dp2"]
     sps = [SamplingParams(max_new_tokens=6, seed=i) for i in range(4)]

@@ -1,0 +1,196 @@
+"""Spec: generate calls in flight at once share the engine's batch (rollout/call_board.py).
+
+The oracle is the same requests in one call: every concurrent call gets exactly its samples
+(tokens equal, logprobs within fp32 rounding), and the engine ran them together — far fewer
+steps than one call after another. Also: a call closed early, a step that fails, `abort_all`
+and an in-place weight update while several calls run, and memory release waiting for the
+open calls; afterwards every KV slot has one owner (overlap scheduling on and off)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout import Engine, EngineConfig, SamplingParams
+from tests.helpers import kv_pool_whole
+
+ARCH = "Qwen2ForCausalLM"
+PROMPTS = [[5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] for i in range(16)]
+NEW = 12
+
+
+def _sp(i: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_new_tokens": NEW, "temperature": 1.0, "seed": 100 + i,
+                             "ignore_eos": True, **kw})
+
+
+def _engine(tiny_dirs, overlap: bool, **cfg) -> Engine:
+    return Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=2048,
+                               overlap_schedule=overlap, prefix_cache=False, **cfg))
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "overlap"])
+def overlap(request) -> bool:
+    return request.param
+
+
+@pytest.fixture()
+def batched(tiny_dirs, overlap):
+    """Every prompt's sample from one call of them all."""
+    return _engine(tiny_dirs, overlap).generate(PROMPTS, [_sp(i) for i in range(len(PROMPTS))])
+
+
+def _in_threads(fns) -> list:
+    results, start = [None] * len(fns), threading.Barrier(len(fns))
+
+    def run(i):
+        start.wait()
+        results[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    return results
+
+
+def _same(got, want) -> None:
+    assert got.token_ids == want.token_ids
+    assert np.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_concurrent_calls_batch_together_and_each_gets_its_own_samples(tiny_dirs, overlap, batched):
+    engine = _engine(tiny_dirs, overlap)
+    outs = _in_threads([lambda i=i: engine.generate([PROMPTS[i]], _sp(i)) for i in range(len(PROMPTS))])
+    for i, (out,) in enumerate(outs):
+        assert out.prompt_token_ids == PROMPTS[i] and out.prompt_index == 0
+        _same(out, batched[i])
+    # one call after another would take len(PROMPTS) * NEW steps
+    assert engine.stats.steps <= len(PROMPTS) * NEW // 3
+    assert kv_pool_whole(engine.scheduler)
+
+
+def test_agenerate_calls_gathered_batch_together(tiny_dirs, overlap, batched):
+    engine = _engine(tiny_dirs, overlap)
+
+    async def all_calls():
+        return await asyncio.gather(*[engine.agenerate([p], _sp(i)) for i, p in enumerate(PROMPTS)])
+
+    outs = asyncio.run(all_calls())
+    for i, (out,) in enumerate(outs):
+        _same(out, batched[i])
+    assert engine.stats.steps <= len(PROMPTS) * NEW // 3
+    assert kv_pool_whole(engine.scheduler)
+
+
+def test_a_call_closed_early_leaves_the_others_running(tiny_dirs, overlap, batched):
+    engine = _engine(tiny_dirs, overlap)
+    mid = len(PROMPTS) // 2
+    early = engine.generate_iter(PROMPTS[:mid], [_sp(0, max_new_tokens=1)]
+                                 + [_sp(i) for i in range(1, mid)])
+    first = next(early)  # the one-token sample; the rest of that call still runs
+    assert first.prompt_index == 0 and len(first.token_ids) == 1
+    other = threading.Thread(target=lambda: result.append(
+        engine.generate(PROMPTS[mid:], [_sp(i) for i in range(mid, len(PROMPTS))])))
+    result: list = []
+    other.start()
+    time.sleep(0.05)
+    early.close()  # its unfinished samples go; the other call's do not
+    other.join(timeout=120)
+    for i, out in enumerate(result[0], start=mid):
+        _same(out, batched[i])
+    assert kv_pool_whole(engine.scheduler)
+
+
+def test_a_failed_step_fails_every_call_in_flight_and_the_engine_recovers(tiny_dirs, overlap, batched):
+    engine = _engine(tiny_dirs, overlap)
+    run_batch, steps = engine.scheduler.run_batch, []
+
+    def failing(fb):
+        steps.append(fb)
+        if len(steps) == 6:
+            raise RuntimeError("injected step failure")
+        return run_batch(fb)
+
+    engine.scheduler.run_batch = failing
+
+    def call(i):
+        try:
+            engine.generate([PROMPTS[i]], _sp(i))
+        except RuntimeError as e:
+            return str(e)
+        return "finished"
+
+    results = _in_threads([lambda i=i: call(i) for i in range(4)])
+    assert results.count("injected step failure") >= 1
+    assert set(results) <= {"injected step failure", "finished"}
+    engine.scheduler.run_batch = run_batch
+    assert kv_pool_whole(engine.scheduler)
+    again = engine.generate(PROMPTS, [_sp(i) for i in range(len(PROMPTS))])
+    for got, want in zip(again, batched):
+        _same(got, want)
+
+
+def test_abort_all_ends_every_call_in_flight(tiny_dirs, overlap):
+    engine = _engine(tiny_dirs, overlap)
+    long = [_sp(i, max_new_tokens=400) for i in range(4)]
+    results: list = [None] * 4
+
+    def call(i):
+        results[i] = engine.generate([PROMPTS[i]], long[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine.stats.decode_tokens < 40 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert engine.abort_all() >= 1
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None and len(r) == 1 for r in results)
+    assert all(r[0].finish_reason in ("abort", "length") for r in results)
+    assert any(r[0].finish_reason == "abort" for r in results)
+    assert kv_pool_whole(engine.scheduler)
+
+
+def test_an_in_place_update_while_calls_run(tiny_dirs):
+    engine = _engine(tiny_dirs, False, pause_mode="in_place")
+    results: list = [None] * 4
+
+    def call(i):
+        results[i] = engine.generate([PROMPTS[i]], _sp(i, max_new_tokens=40))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine.stats.decode_tokens < 12 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    with engine.paused("in_place"):
+        engine.commit_weight_version(engine.weight_version + 1)
+    for t in threads:
+        t.join(timeout=60)
+    for (out,) in results:
+        assert len(out.token_ids) == 40 and out.token_weight_versions[-1] == 1
+        assert out.token_weight_versions == sorted(out.token_weight_versions)
+    assert kv_pool_whole(engine.scheduler)
+
+
+def test_release_memory_waits_for_the_calls_open(tiny_dirs):
+    engine = _engine(tiny_dirs, False)
+    it = engine.generate_iter(PROMPTS[:2], [_sp(0, max_new_tokens=1), _sp(1)])
+    next(it)  # the call is open: its second sample still runs
+    released = threading.Event()
+    worker = threading.Thread(target=lambda: (engine.release_memory(), released.set()))
+    worker.start()
+    assert not released.wait(0.3), "memory was released under an open call"
+    assert len(list(it)) == 1  # the call runs to its end
+    worker.join(timeout=60)
+    assert released.is_set()
+    engine.resume_memory()
