@@ -13,7 +13,6 @@ first `--serial-conversations` conversations (it is slow by design); its tok/s i
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -22,6 +21,7 @@ import time
 import torch
 
 from benchmarks.decode_throughput import SHAPES, model_dir_for
+from benchmarks.multi_turn_rollout import conversation_options
 from rollout import Engine, EngineConfig, SamplingParams
 
 
@@ -79,18 +79,11 @@ def timed(fn, device: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="cpu-small", choices=sorted(SHAPES))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--conversations", type=int, default=16, help="agent tasks run at once")
-    ap.add_argument("--turns", type=int, default=3, help="agenerate calls of each task")
+    ap = conversation_options(__doc__, turns=3, new_tokens=64, reply_len=32)
     ap.add_argument("--prompt-len", type=int, default=256, help="tokens of each task's first prompt")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens sampled a turn")
-    ap.add_argument("--reply-len", type=int, default=32, help="tokens of the tool reply a turn")
     ap.add_argument("--serial-conversations", type=int, default=4,
                     help="conversations the one-call-at-a-time mode runs")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
-    ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     vocab = SHAPES[args.shape].vocab_size

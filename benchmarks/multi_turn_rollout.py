@@ -74,19 +74,25 @@ def run_turns(engine: Engine, args, vocab: int) -> dict:
             "tok_per_s": sum(t["new_tokens"] for t in turns) / total, "outputs": outputs}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def conversation_options(doc: str, turns: int, new_tokens: int, reply_len: int) -> argparse.ArgumentParser:
+    """The options of a rollout of conversations (this benchmark's and `agent_loop.py`'s)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="cpu-small", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--conversations", type=int, default=16, help="conversations run together")
-    ap.add_argument("--turns", type=int, default=4, help="generate calls, each a turn of every one")
+    ap.add_argument("--conversations", type=int, default=16, help="conversations run at once")
+    ap.add_argument("--turns", type=int, default=turns, help="generate calls of each conversation")
+    ap.add_argument("--new-tokens", type=int, default=new_tokens, help="tokens sampled a turn")
+    ap.add_argument("--reply-len", type=int, default=reply_len, help="tokens of the tool reply a turn")
+    ap.add_argument("--out", help="JSON file to write")
+    return ap
+
+
+def main() -> None:
+    ap = conversation_options(__doc__, turns=4, new_tokens=128, reply_len=64)
     ap.add_argument("--system-len", type=int, default=512, help="tokens of the shared system prompt")
     ap.add_argument("--task-len", type=int, default=128, help="tokens of each conversation's own start")
-    ap.add_argument("--new-tokens", type=int, default=128, help="tokens sampled a turn")
-    ap.add_argument("--reply-len", type=int, default=64, help="tokens of the tool reply after a turn")
     ap.add_argument("--weight-update-every", type=int, default=0,
                     help="commit a new weight version every K turns (0: never)")
-    ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args()
     model_dir = model_dir_for(args.shape)
     vocab = SHAPES[args.shape].vocab_size

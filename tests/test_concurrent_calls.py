@@ -136,23 +136,33 @@ def test_a_failed_step_fails_every_call_in_flight_and_the_engine_recovers(tiny_d
         _same(got, want)
 
 
-def test_abort_all_ends_every_call_in_flight(tiny_dirs, overlap):
-    engine = _engine(tiny_dirs, overlap)
-    long = [_sp(i, max_new_tokens=400) for i in range(4)]
-    results: list = [None] * 4
+def _running_calls(engine: Engine, params: list[SamplingParams], decode_tokens: int):
+    """One-prompt calls of `params` in threads, returned once the engine has decoded
+    `decode_tokens` tokens; `join()` waits for them and gives their outputs."""
+    results: list = [None] * len(params)
 
     def call(i):
-        results[i] = engine.generate([PROMPTS[i]], long[i])
+        results[i] = engine.generate([PROMPTS[i]], params[i])
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(params))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while engine.stats.decode_tokens < 40 and time.monotonic() < deadline:
+    while engine.stats.decode_tokens < decode_tokens and time.monotonic() < deadline:
         time.sleep(0.002)
+
+    def join() -> list:
+        for t in threads:
+            t.join(timeout=60)
+        return results
+    return join
+
+
+def test_abort_all_ends_every_call_in_flight(tiny_dirs, overlap):
+    engine = _engine(tiny_dirs, overlap)
+    join = _running_calls(engine, [_sp(i, max_new_tokens=400) for i in range(4)], 40)
     assert engine.abort_all() >= 1
-    for t in threads:
-        t.join(timeout=60)
+    results = join()
     assert all(r is not None and len(r) == 1 for r in results)
     assert all(r[0].finish_reason in ("abort", "length") for r in results)
     assert any(r[0].finish_reason == "abort" for r in results)
@@ -161,22 +171,10 @@ def test_abort_all_ends_every_call_in_flight(tiny_dirs, overlap):
 
 def test_an_in_place_update_while_calls_run(tiny_dirs):
     engine = _engine(tiny_dirs, False, pause_mode="in_place")
-    results: list = [None] * 4
-
-    def call(i):
-        results[i] = engine.generate([PROMPTS[i]], _sp(i, max_new_tokens=40))
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine.stats.decode_tokens < 12 and time.monotonic() < deadline:
-        time.sleep(0.002)
+    join = _running_calls(engine, [_sp(i, max_new_tokens=40) for i in range(4)], 12)
     with engine.paused("in_place"):
         engine.commit_weight_version(engine.weight_version + 1)
-    for t in threads:
-        t.join(timeout=60)
-    for (out,) in results:
+    for (out,) in join():
         assert len(out.token_ids) == 40 and out.token_weight_versions[-1] == 1
         assert out.token_weight_versions == sorted(out.token_weight_versions)
     assert kv_pool_whole(engine.scheduler)
