@@ -259,6 +259,26 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
             raise failed[0][1]
         return sum(ray.get(refs[r.index]) for r in ended)
 
+    def score(self, sequences: Sequence[Prompt], start: Union[int, Sequence[int]] = 1,
+              temperature: float = 1.0) -> list[list[float]]:
+        """`Engine.score` over the alive replicas: the sequences in contiguous shares of about
+        equal tokens, one Ray call a replica, results in input order."""
+        check_prompt_list(sequences)
+        starts = start if isinstance(start, int) else list(start)
+        if not isinstance(starts, int) and len(starts) != len(sequences):
+            raise InvalidRequestError(f"start must be an int or one int per sequence "
+                                      f"({len(sequences)}), got {start!r}")
+        with self._lock:
+            alive = [r for r, s in zip(self.replicas, self._state) if s == ALIVE]
+        if not alive:
+            raise EngineNotReadyError("no replica is alive to score on")
+        shares = _shares([len(s) for s in sequences], len(alive))
+        refs = [replica.leader.score.remote(
+                    [sequences[i] for i in share],
+                    starts if isinstance(starts, int) else [starts[i] for i in share], temperature)
+                for replica, share in zip(alive, shares) if share]
+        return [lps for part in ray.get(refs) for lps in part]
+
     def prefill_logits(self, prompts: Sequence[Sequence[int]], replica: int = 0):
         """Last-token logits of a fresh prefill on one replica (see Engine.prefill_logits)."""
         return ray.get(self.replicas[replica].leader.prefill_logits.remote(prompts))
@@ -344,6 +364,18 @@ def _resolved(config: EngineConfig) -> EngineConfig:
         return config
     from rollout.tiny_model import default_tiny_model_dir
     return dataclasses.replace(config, model_path=str(default_tiny_model_dir()))
+
+
+def _shares(lengths: list[int], parts: int) -> list[range]:
+    """Contiguous index ranges of about equal total length, one per part (some may be empty)."""
+    total, bounds, acc, i = sum(lengths), [0], 0, 0
+    for k in range(1, parts):
+        while i < len(lengths) and acc + lengths[i] <= total * k / parts:
+            acc += lengths[i]
+            i += 1
+        bounds.append(i)
+    bounds.append(len(lengths))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _reindexed(outs: list[GenerateOutput], indices: list[int]) -> list[GenerateOutput]:

@@ -91,6 +91,10 @@ class RolloutShard:
     def prefill_logits(self, prompts):
         return self._leader().prefill_logits(prompts)
 
+    @ray.method(concurrency_group="generate")
+    def score(self, sequences, start=1, temperature=1.0):
+        return self._leader().score(sequences, start, temperature)
+
     def _leader(self) -> TPLeaderEngine:
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank} is not a TP leader (or is not set up)")

@@ -6,7 +6,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
@@ -14,6 +14,7 @@ from rollout.engine_weights import EngineWeightsMixin
 import torch
 
 from rollout.batch_builder import build_batch
+from rollout import scoring
 from rollout.call_board import CallBoard
 from rollout.errors import EngineNotReadyError, InvalidRequestError, KVCacheBudgetError
 from rollout.forward_batch import ForwardBatch, ForwardMode
@@ -116,6 +117,31 @@ class Engine(EngineWeightsMixin):
             self.runner.release_cpu_threads()
             for r, p in zip(rows, ids):
                 alloc.free(r, len(p) if fb is not None else 0)
+
+    def score(self, sequences: Sequence[Prompt], start: Union[int, Sequence[int]] = 1,
+              temperature: float = 1.0) -> list[list[float]]:
+        """For each sequence (token ids, or a string with a tokenizer), log p(token i | tokens
+        before it) under softmax(logits / temperature) over the full vocabulary — the quantity
+        `GenerateOutput.logprobs` gives for sampled tokens — for i from `start` (one for all, or
+        one per sequence; 1 ≤ start ≤ its length) to its end (`scoring.py`). Checked whole
+        before any work; waits, like `prefill_logits`, until no generate call is open."""
+        self._check_ready(wait_for_update=True)
+        check_prompt_list(sequences)
+        ids = [self._requests.encode_checked(i, s) for i, s in enumerate(sequences)]
+        starts = scoring.checked_starts(start, [len(s) for s in ids])
+        scoring.check_temperature(temperature)
+        budget = min(self.config.prefill_token_budget(self.model_config),
+                     max(1, scoring.LOGITS_BYTES // (4 * self.model_config.vocab_size)))
+        with self._board.exclusive("score()"):
+            self._drop_deferred()
+            with self.gate.step():
+                self._check_ready()  # memory may have been released meanwhile
+                try:
+                    return scoring.score(ids, starts, float(temperature), self.scheduler.alloc,
+                                         self.forward, self.runner.device, budget,
+                                         self.scheduler.make_room)
+                finally:
+                    self.runner.release_cpu_threads()
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, EngineConfig, SamplingParams
-from tests.helpers import kv_pool_whole
+from tests.helpers import gpu, kv_pool_whole
 
 ARCH = "Qwen2ForCausalLM"
 PROMPTS = [[5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] for i in range(16)]
@@ -27,9 +27,10 @@ def _sp(i: int, **kw) -> SamplingParams:
                              "ignore_eos": True, **kw})
 
 
-def _engine(tiny_dirs, overlap: bool, **cfg) -> Engine:
-    return Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=2048,
-                               overlap_schedule=overlap, prefix_cache=False, **cfg))
+def _engine(tiny_dirs, overlap, **cfg) -> Engine:
+    cfg.setdefault("kv_cache_tokens", 2048)
+    return Engine(EngineConfig(model_path=tiny_dirs[ARCH], overlap_schedule=overlap,
+                               prefix_cache=False, **cfg))
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "overlap"])
@@ -71,6 +72,20 @@ def test_concurrent_calls_batch_together_and_each_gets_its_own_samples(tiny_dirs
         assert out.prompt_token_ids == PROMPTS[i] and out.prompt_index == 0
         _same(out, batched[i])
     # one call after another would take len(PROMPTS) * NEW steps
+    assert engine.stats.steps <= len(PROMPTS) * NEW // 3
+    assert kv_pool_whole(engine.scheduler)
+
+
+@gpu
+def test_gpu_concurrent_calls_batch_together(tiny_dirs):
+    """The GPU path in float32 (graphs, overlap): the steps move between the callers' threads."""
+    cfg = dict(device="cuda", dtype="float32", kv_cache_tokens=None)
+    want = _engine(tiny_dirs, None, **cfg).generate(PROMPTS, [_sp(i) for i in range(len(PROMPTS))])
+    engine = _engine(tiny_dirs, None, **cfg)
+    outs = _in_threads([lambda i=i: engine.generate([PROMPTS[i]], _sp(i)) for i in range(len(PROMPTS))])
+    for i, (out,) in enumerate(outs):
+        assert out.token_ids == want[i].token_ids
+        assert np.allclose(out.logprobs, want[i].logprobs, atol=1e-3, rtol=0)
     assert engine.stats.steps <= len(PROMPTS) * NEW // 3
     assert kv_pool_whole(engine.scheduler)
 

@@ -157,6 +157,18 @@ def test_concurrent_calls_batch_on_a_replica(controllers, engine):
         assert_same(out, engine.generate([p], sp))
 
 
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_score_equals_the_single_engines(controllers, engine, layout):
+    """`score` spread over the replicas (dp2) or through a TP group's followers (tp2)."""
+    seqs = [[3, 14, 15, 92, 65], [46, 7, 9], [(7 * j) % 500 + 1 for j in range(30)], "hello world"]
+    starts = [1, 2, 10, 1]
+    got = controllers[layout].score(seqs, start=starts, temperature=0.8)
+    want = engine.score(seqs, start=starts, temperature=0.8)
+    assert [len(g) for g in got] == [len(w) for w in want] == [4, 1, 20, len(want[3])]
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-5)
+
+
 def test_async_forms_equal_generate(controllers, engine):
     ctl = controllers["dp2"]
     sps = [SamplingParams(max_new_tokens=6, seed=i) for i in range(4)]
