@@ -207,3 +207,51 @@ def test_release_memory_waits_for_the_calls_open(tiny_dirs):
     worker.join(timeout=60)
     assert released.is_set()
     engine.resume_memory()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_random_concurrent_calls_closes_and_aborts_never_hang_or_leak(tiny_dirs, overlap):
+    """Twelve threads of random calls — whole, streamed and closed after their first sample,
+    repeating earlier prompts (the prefix cache on) — in a 64-slot pool that evicts and
+    retracts, while another thread aborts requests: every call returns in time, every sample
+    is whole or aborted, and every slot has one owner afterwards."""
+    import random
+    engine = Engine(EngineConfig(model_path=tiny_dirs[ARCH], kv_cache_tokens=64,
+                                 overlap_schedule=overlap))
+    stop = threading.Event()
+
+    def caller(k: int) -> int:
+        rng, done = random.Random(k), 0
+        for _ in range(5):
+            prompts = [PROMPTS[rng.randrange(len(PROMPTS))] for _ in range(rng.randrange(1, 4))]
+            params = [_sp(rng.randrange(100), max_new_tokens=rng.randrange(1, 40)) for _ in prompts]
+            if rng.random() < 0.3:
+                it = engine.generate_iter(prompts, params)
+                next(it, None)
+                it.close()
+                continue
+            for out, sp in zip(engine.generate(prompts, params), params):
+                assert out.finish_reason in ("length", "abort")
+                assert len(out.token_ids) == sp.max_new_tokens or out.finish_reason == "abort"
+            done += 1
+        return done
+
+    def aborter():
+        rng = random.Random(99)
+        while not stop.is_set():
+            time.sleep(0.005)
+            held = list(engine.scheduler.running)
+            if held and rng.random() < 0.3:
+                engine.abort(rng.choice(held).rid)
+
+    side = threading.Thread(target=aborter)
+    side.start()
+    try:
+        finished = _in_threads([lambda k=k: caller(k) for k in range(12)])
+    finally:
+        stop.set()
+        side.join(timeout=30)
+    assert sum(finished) > 0
+    stats = engine.stats
+    assert stats.retractions and stats.evicted_tokens and stats.cached_prompt_tokens and stats.aborted
+    assert kv_pool_whole(engine.scheduler)
