@@ -262,7 +262,8 @@ class RolloutController(ControllerWeightsMixin, RecoveryMixin):
     def score(self, sequences: Sequence[Prompt], start: Union[int, Sequence[int]] = 1,
               temperature: float = 1.0) -> list[list[float]]:
         """`Engine.score` over the alive replicas: the sequences in contiguous shares of about
-        equal tokens, one Ray call a replica, results in input order."""
+        equal tokens, one Ray call a replica, results in input order. Nothing is re-run: a
+        replica that fails meanwhile fails the call (scoring changes no state; call again)."""
         check_prompt_list(sequences)
         starts = start if isinstance(start, int) else list(start)
         if not isinstance(starts, int) and len(starts) != len(sequences):
