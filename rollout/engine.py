@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -93,14 +94,24 @@ class Engine(EngineWeightsMixin):
         self._check_ready(wait_for_update=True)
         check_prompt_list(prompts)
         ids = [self._requests.encode_checked(i, p) for i, p in enumerate(prompts)]
-        with self._board.exclusive("prefill_logits()"):
+        with self._outside_calls("prefill_logits()"):
+            return self._prefill_logits(ids)
+
+    @contextlib.contextmanager
+    def _outside_calls(self, what: str) -> Iterator[None]:
+        """The engine with no generate call open, between two steps, still ready: a forward
+        outside generation (`prefill_logits`, `score`); the CPU threads are given back after."""
+        with self._board.exclusive(what):
             self._drop_deferred()
             with self.gate.step():
-                return self._prefill_logits(ids)
+                self._check_ready()  # memory may have been released meanwhile
+                try:
+                    yield
+                finally:
+                    self.runner.release_cpu_threads()
 
     def _prefill_logits(self, ids: list[list[int]]) -> torch.Tensor:
         """One EXTEND batch of the prompts, its rows and slots given back whatever happens."""
-        self._check_ready()  # memory may have been released meanwhile
         alloc = self.scheduler.alloc
         if len(ids) > alloc.num_free_rows:
             raise KVCacheBudgetError(f"{len(ids)} prompts at once; the engine has "
@@ -114,7 +125,6 @@ class Engine(EngineWeightsMixin):
                 raise KVCacheBudgetError("the KV cache has no room for these prompts right now")
             return self.forward(fb).float().cpu()
         finally:
-            self.runner.release_cpu_threads()
             for r, p in zip(rows, ids):
                 alloc.free(r, len(p) if fb is not None else 0)
 
@@ -132,16 +142,9 @@ class Engine(EngineWeightsMixin):
         scoring.check_temperature(temperature)
         budget = min(self.config.prefill_token_budget(self.model_config),
                      max(1, scoring.LOGITS_BYTES // (4 * self.model_config.vocab_size)))
-        with self._board.exclusive("score()"):
-            self._drop_deferred()
-            with self.gate.step():
-                self._check_ready()  # memory may have been released meanwhile
-                try:
-                    return scoring.score(ids, starts, float(temperature), self.scheduler.alloc,
-                                         self.forward, self.runner.device, budget,
-                                         self.scheduler.make_room)
-                finally:
-                    self.runner.release_cpu_threads()
+        with self._outside_calls("score()"):
+            return scoring.score(ids, starts, float(temperature), self.scheduler.alloc,
+                                 self.forward, self.runner.device, budget, self.scheduler.make_room)
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,

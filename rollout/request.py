@@ -43,12 +43,13 @@ class Request:
     shared_len: int = 0  # leading slots of its row that are not its own: the group's or the cache's
     group_member: bool = False  # holds its group's prompt KV while resident
     # the prefix cache's node its row's leading slots come from (locked while resident), the
-    # weight version its KV was computed with, and how many tokens it found cached (last admission)
+    # weights' epoch its KV was computed under (`Scheduler.kv_epoch`), and how many tokens it
+    # found cached (last admission)
     cache_node: Optional[CacheNode] = field(default=None, repr=False)
-    # its own slots of tokens the tree already had when its prefill went in (freed when it leaves)
-    dup_slots: Optional[np.ndarray] = field(default=None, repr=False)
     kv_version: int = -1
     cached_tokens: int = 0
+    # its own slots of tokens the tree already had when its prefill went in (freed when it leaves)
+    dup_slots: Optional[np.ndarray] = field(default=None, repr=False)
     stop_strings: Optional[StopStrings] = field(default=None, repr=False)  # params.stop's checker
     matched_stop: Union[int, str, None] = None  # the stop token id or stop string that ended it
 

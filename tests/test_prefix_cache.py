@@ -248,7 +248,7 @@ def test_a_group_whose_prompt_another_request_of_its_step_computed(tiny_dirs):
 def test_a_small_pool_evicts_cached_kv_before_it_retracts(tiny_dirs, overlap):
     cached = _engine(tiny_dirs, True, kv_cache_tokens=160, overlap_schedule=overlap)
     plain = _engine(tiny_dirs, False, kv_cache_tokens=160)
-    rng = random.Random(2)
+    rng, got = random.Random(2), []
     for call in range(6):
         prompts = [[rng.randrange(1, 250) for _ in range(rng.randrange(4, 12))] for _ in range(6)]
         if call % 2:  # every other call continues the last one's conversations
