@@ -24,6 +24,8 @@ def check_tp_size(model_config: ModelConfig, tp_size: int) -> None:
     counts = {"num_attention_heads": model_config.num_attention_heads,
               "num_key_value_heads": model_config.num_key_value_heads,
               "intermediate_size": model_config.intermediate_size}
+    if model_config.moe is not None:
+        counts["moe_intermediate_size"] = model_config.moe.intermediate_size
     bad = {k: v for k, v in counts.items() if v % tp_size}
     if bad:
         raise ConfigError(f"tp_size={tp_size} does not divide {bad} of {model_config.architecture}; "

@@ -45,6 +45,13 @@ SHAPES = {
                                 tie_word_embeddings=True),
     "qwen2-7b": TinyModelSpec(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    # MoE: the experts travel as a trainer holds them, one 3-D tensor per layer and projection
+    "tiny-moe": TinyModelSpec(architecture="Qwen3MoeForCausalLM"),
+    "qwen3-30b-a3b": TinyModelSpec(architecture="Qwen3MoeForCausalLM", vocab_size=151936,
+                                   hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                   num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                   num_experts=128, num_experts_per_tok=8,
+                                   moe_intermediate_size=768),
 }
 CPU_SHAPES, GPU_SHAPES = ("tiny", "small"), ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")
 
@@ -88,8 +95,9 @@ def trainer_weights(path: Path, dtype: torch.dtype, device: str, seed: int) -> l
     with torch.device("meta"):
         table = model_class(cfg.architecture)(cfg).weight_table
     gen = torch.Generator(device).manual_seed(seed)
-    return [(name, (torch.randn(slot.full_shape, generator=gen, device=device) * 0.02).to(dtype))
-            for name, slot in table.slots.items()]
+    return [(name, (torch.randn(table.slots[name].full_shape, generator=gen, device=device)
+                     * 0.02).to(dtype))
+            for name in table.names()]
 
 
 def run_case(ctl: RolloutController, case: BenchCase, weights, iters: int, trainer_device: str,

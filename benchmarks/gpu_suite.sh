@@ -794,6 +794,15 @@ for stage in "$@"; do
              run agent36f32 200 python3 benchmarks/agent_loop.py --shape cpu-small --device cuda \
               --dtype float32 --conversations 32 --turns 3 --prompt-len 64 --new-tokens 32 \
               --reply-len 16 --serial-conversations 32 --out "$OUT/agent_loop36_fp32_h200.json" ;;
+    # thirty-seventh session: Qwen3-MoE — its specs on the GPU (fp32 graphs vs HF, bf16 decode
+    # without host syncs), then Qwen3-30B-A3B's shape at 24 of its 48 layers, engine vs HF
+    moe37) run moe37spec 300 python3 -m pytest -q tests/test_moe.py -p no:cacheprovider
+           run moe37bench 540 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 32 128 \
+              --out "$OUT/moe37_h200.json" ;;
+    # the MoE decode graphs' kernels (no HF), and the in-process update from device tensors
+    moe37b) run moe37bspec 200 python3 -m pytest -q -m gpu tests/test_moe.py -p no:cacheprovider
+            run moe37prof 400 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 8 32 128 \
+              --repeats 1 --skip-hf-generate --profile --out "$OUT/moe37_profile_h200.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -32,6 +32,42 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE): each token's router picks `top_k` of
+    `num_experts` SwiGLU experts of width `intermediate_size`; `sparse_layers` are the decoder
+    layers that have one (the others keep the dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.intermediate_size <= 0:
+            raise ConfigError(f"config.json: num_experts={self.num_experts} and "
+                              f"moe_intermediate_size={self.intermediate_size} must be positive")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} must be in "
+                              f"1..num_experts={self.num_experts}")
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], num_layers: int) -> Optional["MoEConfig"]:
+        """None for a dense model (no `num_experts`; transformers 5 writes `num_local_experts`)."""
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        if experts == 0:
+            return None
+        step = int(raw.get("decoder_sparse_step", 1))
+        if step <= 0:
+            raise ConfigError(f"config.json: decoder_sparse_step must be positive, got {step}")
+        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(num_experts=experts, top_k=int(raw["num_experts_per_tok"]),
+                   intermediate_size=int(raw["moe_intermediate_size"]),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)), sparse_layers=sparse)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -48,6 +84,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = ()
+    moe: Optional[MoEConfig] = None
+
+    @property
+    def mlp_activation_width(self) -> int:
+        """Widest gate|up activation one token makes (top_k experts' for a sparse MLP)."""
+        width = self.intermediate_size
+        if self.moe is not None:
+            width = max(width, self.moe.top_k * self.moe.intermediate_size)
+        return width
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -80,12 +125,13 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         arch = archs[0]
+        layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -96,6 +142,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos,
+            moe=MoEConfig.from_hf(raw, layers),
         )
 
 
@@ -289,7 +336,7 @@ class EngineConfig:
             return self.max_prefill_tokens
         if self.is_cuda:
             return GPU_PREFILL_TOKENS
-        per_token = 2 * mc.intermediate_size * self.torch_dtype.itemsize
+        per_token = 2 * mc.mlp_activation_width * self.torch_dtype.itemsize
         tokens = 1 << max(0, (CPU_PREFILL_ACTIVATION_BYTES // per_token).bit_length() - 1)
         low, high = CPU_PREFILL_TOKENS_RANGE
         return min(high, max(low, tokens))

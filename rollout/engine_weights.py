@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from rollout.errors import ConfigError
-from weight_sync.bucket import Bucket, UpdateManifest, pack_buckets
+from weight_sync.bucket import Bucket, UpdateManifest, named_tensor_dict
 from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
@@ -39,10 +39,15 @@ class EngineWeightsMixin:
     def update_weights_from_tensor(self, weights: Union[NamedTensors, Sequence[Bucket]], *,
                                    version: Optional[int] = None, allow_partial: bool = False,
                                    pause_mode: Optional[str] = None) -> int:
-        """`weights`: (HF name, full tensor) pairs or packed Buckets. Returns the new version."""
+        """`weights`: (HF name, full tensor) pairs, loaded from where they are (a GPU tensor is
+        copied device to device into its parameter), or packed Buckets. Returns the new version."""
         weights = list(weights)
         if weights and not isinstance(weights[0], Bucket):
-            weights = pack_buckets(weights, device=torch.device("cpu")) if weights else []
+            tensors = {n: t.detach() for n, t in named_tensor_dict(weights).items()}
+            specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+            return self.update_weights(
+                lambda: self.updater.from_named(tensors, allow_partial), version, pause_mode,
+                lambda: self.updater.validate(specs, allow_partial))
         return self.update_weights(lambda: self.updater.from_buckets(weights, allow_partial), version,
                                    pause_mode, self._precheck("tensor", weights, allow_partial))
 

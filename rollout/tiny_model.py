@@ -13,8 +13,10 @@ from typing import Iterator, Optional
 import torch
 from safetensors.torch import save_file
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 256, 257, 258 after the 256 bytes
 
 
@@ -39,12 +41,32 @@ class TinyModelSpec:
     embed_std: Optional[float] = None
     seed: int = 0
     dtype: str = "float32"  # of the saved tensors
+    # Qwen3-MoE: experts of width moe_intermediate_size in the sparse layers (every
+    # decoder_sparse_step-th, but mlp_only_layers), the others dense of intermediate_size
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # std of the router: a trained router is peaked, so bf16 rounding rarely swaps an expert
+    router_std: float = 0.2
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("a MoE model needs 0 < num_experts_per_tok <= num_experts")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ValueError("vocab_size must hold the 256 bytes and the special tokens (>= 259)")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture == "Qwen3MoeForCausalLM"
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return (self.is_moe and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -90,6 +112,12 @@ def hf_config_dict(spec: TinyModelSpec) -> dict:
     }
     if spec.architecture == "LlamaForCausalLM":
         cfg.update(attention_bias=False, mlp_bias=False)
+    if spec.is_moe:
+        cfg.update(attention_bias=False, num_experts=spec.num_experts,
+                   num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=spec.decoder_sparse_step,
+                   mlp_only_layers=list(spec.mlp_only_layers), output_router_logits=False)
     if spec.llama3_rope_scaling:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -118,16 +146,29 @@ def random_state_dict(spec: TinyModelSpec) -> Iterator[tuple[str, torch.Tensor]]
             if spec.architecture == "Qwen2ForCausalLM":
                 yield p + f"self_attn.{name}.bias", normal(rows)
         yield p + "self_attn.o_proj.weight", normal(h, q)
-        if spec.architecture == "Qwen3ForCausalLM":
+        if spec.architecture in _QK_NORM:
             yield p + "self_attn.q_norm.weight", norm(d)
             yield p + "self_attn.k_norm.weight", norm(d)
         yield p + "post_attention_layernorm.weight", norm(h)
+        if spec.is_sparse_layer(i):
+            yield from _expert_tensors(spec, p + "mlp.", normal, gen)
+            continue
         yield p + "mlp.gate_proj.weight", normal(spec.intermediate_size, h)
         yield p + "mlp.up_proj.weight", normal(spec.intermediate_size, h)
         yield p + "mlp.down_proj.weight", normal(h, spec.intermediate_size)
     yield "model.norm.weight", norm(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", normal(spec.vocab_size, h) * embed_scale
+
+
+def _expert_tensors(spec: TinyModelSpec, prefix: str, normal, gen: torch.Generator):
+    """A sparse MLP as a checkpoint holds it: the router, then each expert's three tensors."""
+    h, w = spec.hidden_size, spec.moe_intermediate_size
+    yield prefix + "gate.weight", torch.randn(spec.num_experts, h, generator=gen) * spec.router_std
+    for e in range(spec.num_experts):
+        yield prefix + f"experts.{e}.gate_proj.weight", normal(w, h)
+        yield prefix + f"experts.{e}.up_proj.weight", normal(w, h)
+        yield prefix + f"experts.{e}.down_proj.weight", normal(h, w)
 
 
 def write_safetensors(out: Path, tensors: dict[str, torch.Tensor], num_shards: int = 1) -> None:

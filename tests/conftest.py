@@ -15,17 +15,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCH = "Qwen3MoeForCausalLM"
+# three layers, the middle one dense (mlp_only_layers), 8 experts, top 2
+MOE_SPEC = TinyModelSpec(architecture=MOE_ARCH, num_hidden_layers=3, mlp_only_layers=(1,), seed=7)
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
-    """One tiny random model directory per architecture (Llama with llama3 rope scaling)."""
+    """One tiny random model directory per architecture (Llama with llama3 rope scaling), and
+    the MoE one (MOE_SPEC)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {
+    dirs = {
         arch: str(make_tiny_model(root / arch, TinyModelSpec(
             architecture=arch, llama3_rope_scaling=arch == "LlamaForCausalLM", seed=i)))
         for i, arch in enumerate(ARCHS)
     }
+    dirs[MOE_ARCH] = str(make_tiny_model(root / MOE_ARCH, MOE_SPEC))
+    return dirs
 
 
 @pytest.fixture(autouse=True)

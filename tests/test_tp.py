@@ -23,7 +23,7 @@ from rollout.forward_batch import SHARED_FIELDS
 from rollout.tp_worker import BatchMessage, StepChannel, StopMessage, TPFollower
 from tests.helpers import RunnerDriver, hf_last_logits, hf_model
 
-TP_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # 4 heads, 2 KV heads: both split by 2
+TP_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # 4 heads, 2 KV heads
 PROMPTS = [[1, 5, 9], [42, 7, 300, 12, 8, 99, 3], [256, 17], list(range(60, 75))]
 DECODE_STEPS = 12
 

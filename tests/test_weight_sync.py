@@ -73,6 +73,23 @@ def test_partial_update_only_when_asked(setup):
     assert (engine_logits(engine) - hf_logits(trainer)).abs().max() <= 1e-5
 
 
+def test_named_tensors_load_without_staging_buckets(setup, monkeypatch):
+    """An Engine given (name, tensor) pairs loads them from where they are: no bucket is packed
+    (on a GPU, device tensors went device → host → device through buckets: 31 GB took 31 s)."""
+    import weight_sync.bucket as bucket
+
+    def no_packing(*args, **kwargs):
+        raise AssertionError("named tensors were packed into a bucket")
+    monkeypatch.setattr(bucket, "pack", no_packing)
+    engine, trainer = setup
+    perturb(trainer, seed=4)
+    assert engine.update_weights_from_tensor(trainer.named_parameters()) == 1
+    assert (engine_logits(engine) - hf_logits(trainer)).abs().max() <= 1e-5
+    with pytest.raises(WeightUpdateError, match="pairs"):
+        engine.update_weights_from_tensor([("model.norm.weight", [1.0])])
+    assert engine.weight_version == 1
+
+
 BAD_UPDATES = {
     "unknown name": (lambda w: w + [("model.layers.7.mlp.up_proj.weight", torch.zeros(3))],
                      "unknown tensor 'model.layers.7.mlp.up_proj.weight'"),

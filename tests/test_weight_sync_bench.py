@@ -14,13 +14,15 @@ FIELDS = {"transport", "shape", "tp_size", "bucket_mb", "bucket_bytes", "bucket_
 
 def test_bench_command_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "actors.bench_cli", "bench", "weight-sync", "--shapes", "tiny", "--iters", "2",
+    cmd = [sys.executable, "-m", "actors.bench_cli", "bench", "weight-sync", "--shapes", "tiny", "tiny-moe",
+           "--iters", "2",
            "--bucket-mb", "1", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "weight_sync.json").read_text())
     cases = result["cases"]
     assert {c["transport"] for c in cases} == {"disk", "nccl", "tensor", "ipc"}
+    assert {c["shape"] for c in cases} == {"tiny", "tiny-moe"}
     for c in cases:
         assert FIELDS <= set(c), FIELDS - set(c)
         assert c["error"] is None, c["error"]
@@ -28,7 +30,7 @@ def test_bench_command_writes_json_and_plot(tmp_path):
         assert {"pack", "transfer_and_load", "pause", "load", "resume", "first_push"} <= set(c["phases_s"])
         if c["transport"] != "disk":
             assert (c["bucket_bytes"], c["bucket_source"]) == (1 << 20, "given")
-    ipc = next(c for c in cases if c["transport"] == "ipc")
+    ipc = next(c for c in cases if c["transport"] == "ipc" and c["shape"] == "tiny")
     assert "register" in ipc["phases_s"]
     assert ipc["fast_channel"] and ipc["phases_s"]["channel_roundtrip"] > 0  # TP=1: the push channel
     assert "ray_roundtrip" in ipc["phases_s"]

@@ -78,6 +78,19 @@ class WeightUpdater:
         on_device = (Bucket(b.meta, b.flat.to(device, non_blocking=True)) for b in buckets)
         return self._load(((n, t) for b in on_device for n, t in b.tensors()), allow_partial)
 
+    def from_named(self, tensors: dict[str, torch.Tensor], allow_partial: bool = False) -> int:
+        """Tensors in this process (an Engine's caller): checked, then loaded straight from
+        where they are — a device tensor is one device-to-device copy into its parameter, with
+        no bucket staged on the host on the way (31 GB took 31 s through host buckets)."""
+        self.validate([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                      allow_partial)
+        if self.check_finite:
+            bad = next((n for n, t in tensors.items()
+                        if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                raise WeightUpdateError(f"tensor {bad!r} holds NaN or inf (check_finite is on)")
+        return self._load(iter(tensors.items()), allow_partial)
+
     def from_disk(self, path: str | Path, allow_partial: bool = False) -> int:
         files = checkpoint.checkpoint_files(path)
         self.validate(checkpoint.read_specs(files), allow_partial, exact_dtype=False)

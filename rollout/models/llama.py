@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags), tensor-parallel ready."""
+"""Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags; a config with experts gets
+sparse MoE MLPs, `layers.moe`), tensor-parallel ready."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -15,6 +16,7 @@ from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    use_skinny)
+from rollout.layers.moe import SparseMoE
 from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.layers.packed_weights import PackedWeights
@@ -185,7 +187,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, layer_id, tp, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        sparse = cfg.moe is not None and layer_id in cfg.moe.sparse_layers
+        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size, tp) if sparse else MLP(cfg, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: Union[torch.Tensor, SplitSum],
                 residual: Optional[torch.Tensor],
@@ -229,6 +232,8 @@ class DecoderLayer(nn.Module):
                         self.self_attn.o_proj.bias)
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
+        if gu_w is None:  # a sparse MoE MLP
+            return self.mlp(x), residual
         if (array := ONE_ROW_BLAS.array_for(x, gu_w)) is not None:
             act = _silu_mul(ONE_ROW_BLAS.gemv(x, array), inter)
         elif (halves := packed.halves(gu_w, inter)) is not None:
@@ -244,11 +249,13 @@ class DecoderLayer(nn.Module):
         if refs is None:
             a, m = self.self_attn, self.mlp
             assert self.input_layernorm.eps == self.post_attention_layernorm.eps
+            dense = (m.gate_up_proj.weight, m.down_proj.weight, m.inter) if isinstance(m, MLP) \
+                else (None, None, None)  # the sparse MLP runs as its module
             refs = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
                     self.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                    m.gate_up_proj.weight, m.down_proj.weight, a.q_norm, a.k_norm, a.attn, a.heads,
+                    *dense[:2], a.q_norm, a.k_norm, a.attn, a.heads,
                     a.kv_heads, a.attn.head_dim, a.qkv_proj.q_size + a.qkv_proj.kv_size,
-                    a.qkv_proj.kv_size, m.inter, a.o_proj.tp)
+                    a.qkv_proj.kv_size, dense[2], a.o_proj.tp)
             self.__dict__["_refs"] = refs  # a plain attribute: not a parameter, not in state_dict
         return refs
 

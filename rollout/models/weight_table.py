@@ -1,9 +1,14 @@
 """The model's parameter table in Hugging Face terms: HF name → (our parameter, shard id, full
-shape). Checkpoint loading and weight sync both validate against it, then load through it."""
+shape). Checkpoint loading and weight sync both validate against it, then load through it.
+
+A parameter may answer to two namings: its own HF name for the whole tensor and, listed in its
+`hf_pieces`, the names it is saved under piece by piece (HF's fused MoE experts are one 3-D
+tensor in a trainer's `named_parameters()` and one tensor per expert in a checkpoint). Either
+naming completes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,29 +29,41 @@ class WeightSlot:
 
 
 class WeightTable:
-    def __init__(self, slots: dict[str, WeightSlot], ignored: Sequence[str] = ()):
+    def __init__(self, slots: dict[str, WeightSlot], ignored: Sequence[str] = (),
+                 pieces: Optional[dict[str, tuple[str, ...]]] = None):
         self.slots = slots
         self.ignored = frozenset(ignored)
+        # whole-tensor name → the piece names that together stand for it
+        self.pieces = pieces or {}
+        self._whole_of = {piece: whole for whole, names in self.pieces.items() for piece in names}
 
     @classmethod
     def build(cls, model: nn.Module, packed: dict[str, list[tuple[str, Hashable]]],
               ignored: Sequence[str] = ()) -> "WeightTable":
         slots: dict[str, WeightSlot] = {}
+        pieces: dict[str, tuple[str, ...]] = {}
         for name, param in model.named_parameters():
             fused = next((key for key in packed if f".{key}." in name), None)
             if fused is None:
                 slots[name] = WeightSlot(param, None, param.full_shapes[None])
+                prefix = name.rsplit(".", 1)[0] + "."
+                named = [(prefix + rel, WeightSlot(param, shard_id, shape))
+                         for rel, shard_id, shape in getattr(param, "hf_pieces", ())]
+                slots.update(named)
+                if named:
+                    pieces[name] = tuple(n for n, _ in named)
                 continue
             for hf_piece, shard_id in packed[fused]:
                 hf_name = name.replace(f".{fused}.", f".{hf_piece}.")
                 slots[hf_name] = WeightSlot(param, shard_id, param.full_shapes[shard_id])
-        return cls(slots, ignored)
+        return cls(slots, ignored, pieces)
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.names())
 
     def names(self) -> list[str]:
-        return list(self.slots)
+        """One complete naming: whole tensors, not the pieces that stand for them."""
+        return [n for n in self.slots if n not in self._whole_of]
 
     def validate(self, specs: Iterable[TensorSpec], *, complete: bool, exact_dtype: bool,
                  error: type[Exception] = CheckpointError) -> None:
@@ -67,7 +84,8 @@ class WeightTable:
                             f"expected {slot.full_shape}")
             _check_dtype(spec, slot, exact_dtype, error)
         if complete:
-            missing = [n for n in self.slots if n not in seen]
+            missing = [n for n in self.names() if n not in seen
+                       and not all(p in seen for p in self.pieces.get(n, ("",)))]
             if missing:
                 raise error(f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}")
 
