@@ -803,6 +803,26 @@ for stage in "$@"; do
     moe37b) run moe37bspec 200 python3 -m pytest -q -m gpu tests/test_moe.py -p no:cacheprovider
             run moe37prof 400 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 8 32 128 \
               --repeats 1 --skip-hf-generate --profile --out "$OUT/moe37_profile_h200.json" ;;
+    # the decode MoE kernels (triton_moe): specs, then the engine with them up to 32 tokens in two
+    # configs against the grouped GEMMs everywhere (12 of the 48 layers, no HF)
+    moe37c) run moe37cspec 300 python3 -m pytest -q tests/test_triton_moe.py tests/test_moe.py -p no:cacheprovider
+            for v in "0 16,256,8,256,4" "32 16,256,8,256,4" "32 8,512,4,256,4" "32 32,128,16,128,8"; do
+              read -r n cfg <<< "$v"
+              run "moe37c_${n}_${cfg//,/-}" 200 env ROLLOUT_MOE_DECODE_TOKENS=$n ROLLOUT_MOE_DECODE_CONFIG=$cfg \
+                python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 1 4 8 16 32 --repeats 2 \
+                --skip-hf-generate --out "$OUT/moe37c_${n}_${cfg//,/-}.json"
+            done ;;
+    # the decode MoE kernels' configs, up to 16 tokens
+    moe37d) run moe37dspec 200 python3 -m pytest -q -m gpu tests/test_triton_moe.py tests/test_moe.py -p no:cacheprovider
+            for cfg in 8,512,4,256,4 4,512,4,256,4 8,1024,4,256,4 8,512,2,256,4 8,512,4,256,2; do
+              run "moe37d_${cfg//,/-}" 200 env ROLLOUT_MOE_DECODE_TOKENS=16 ROLLOUT_MOE_DECODE_CONFIG=$cfg \
+                python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 1 4 8 16 --repeats 2 \
+                --skip-hf-generate --out "$OUT/moe37d_${cfg//,/-}.json"
+            done ;;
+    # the final MoE figures: specs, then Qwen3-30B-A3B's shape at 24 layers, engine vs HF
+    moe37e) run moe37espec 200 python3 -m pytest -q -m gpu tests/test_triton_moe.py tests/test_moe.py -p no:cacheprovider
+            run moe37e 400 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 16 128 \
+              --out "$OUT/moe37e_h200.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

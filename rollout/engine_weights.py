@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from rollout.errors import ConfigError
-from weight_sync.bucket import Bucket, UpdateManifest, named_tensor_dict
+from weight_sync.bucket import Bucket, UpdateManifest, check_carried, named_tensor_dict
 from weight_sync.ipc import IpcHandle
 from weight_sync.ipc_layout import IpcLayout, IpcLayoutRef
 from weight_sync.process_group import GroupAddress
@@ -44,7 +44,8 @@ class EngineWeightsMixin:
         weights = list(weights)
         if weights and not isinstance(weights[0], Bucket):
             tensors = {n: t.detach() for n, t in named_tensor_dict(weights).items()}
-            specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+            # the dtypes every transport carries, so an update is refused alike on every path
+            specs = check_carried(TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items())
             return self.update_weights(
                 lambda: self.updater.from_named(tensors, allow_partial), version, pause_mode,
                 lambda: self.updater.validate(specs, allow_partial))

@@ -75,8 +75,9 @@ def test_expert_forms_equal_a_per_token_loop(monkeypatch, grouped):
     """Both forms of `moe_experts` — grouped GEMMs over rows sorted by expert, and the gathered
     fallback — equal a loop over tokens, including experts no token picked and one every
     token picked."""
-    if not grouped:
+    if not grouped:  # the fallback, in chunks of 2 rows
         monkeypatch.setattr(moe, "_GROUPED_MM", None)
+        monkeypatch.setattr(moe, "GATHER_BYTES", 2 * 3 * 8 * 16 * 4)
     gen = torch.Generator().manual_seed(0)
     num_experts, hidden, width, tokens = 6, 16, 8, 9
     x = torch.randn(tokens, hidden, generator=gen)

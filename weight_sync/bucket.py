@@ -74,15 +74,22 @@ def views(meta: BucketMeta, flat: torch.Tensor) -> Iterator[tuple[str, torch.Ten
         yield e.name, flat[e.offset:e.offset + e.numel].view(e.shape)
 
 
+def check_carried(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The specs, after a WeightUpdateError for the first dtype weight sync does not carry."""
+    specs = list(specs)
+    for s in specs:
+        if str(s.dtype) not in _DTYPES:
+            raise WeightUpdateError(f"tensor {s.name!r} has dtype {s.dtype}, which weight sync does "
+                                    f"not carry: {sorted(_DTYPES)}")
+    return specs
+
+
 def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES
                  ) -> list[BucketMeta]:
     """Group specs by dtype, in order, into buckets of at most `bucket_bytes` (a tensor larger
     than that gets a bucket of its own)."""
     by_dtype: dict[torch.dtype, list[TensorSpec]] = {}
-    for s in specs:
-        if str(s.dtype) not in _DTYPES:
-            raise WeightUpdateError(f"tensor {s.name!r} has dtype {s.dtype}, which weight sync does "
-                                    f"not carry: {sorted(_DTYPES)}")
+    for s in check_carried(specs):
         by_dtype.setdefault(s.dtype, []).append(s)
     metas = []
     for dtype, group in by_dtype.items():

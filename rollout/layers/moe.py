@@ -7,7 +7,8 @@ the dense MLP's, so TP needs no token exchange.
 A step routes its T tokens to T·top_k (token, expert) rows, sorts them by expert and runs the
 experts as two grouped GEMMs (`F.grouped_mm`, one launch each for all experts) over the sorted
 rows: no Python loop over experts, no host synchronisation (CUDA-graph capturable), each
-selected expert's weights read once a step."""
+selected expert's weights read once a step. CUDA steps of few tokens (decode) take the three
+Triton kernels of `triton_moe` instead."""
 from __future__ import annotations
 
 from typing import Hashable, Optional
@@ -23,6 +24,7 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # (device type, dtype) pairs where the grouped GEMM raised once: they take the gathered form
 _NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()
+GATHER_BYTES = 256 << 20  # the gathered form's expert copies at once
 
 
 class FusedExperts(nn.Module):
@@ -77,9 +79,15 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        out = moe_experts(x, weights, experts, self.experts.gate_up_proj,
-                          self.experts.down_proj)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if x.is_cuda and _few_tokens(x, gate_up):  # decode: three Triton kernels, no sort
+            from rollout.layers import triton_moe
+            weights, experts = triton_moe.route(F.linear(x, self.gate.weight), self.cfg.top_k,
+                                                self.cfg.norm_topk_prob, x.dtype)
+            out = triton_moe.experts(x, weights, experts, gate_up, down)
+        else:
+            weights, experts = self.route(x)
+            out = moe_experts(x, weights, experts, gate_up, down)
         if self.tp.size > 1:  # partial sums over the expert width, rounded once after the sum
             out = self.tp.all_reduce(out)
         return out.to(x.dtype)
@@ -91,6 +99,11 @@ class SparseMoE(nn.Module):
         if self.cfg.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), ids
+
+
+def _few_tokens(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    from rollout.layers import triton_moe  # lazily: triton only where CUDA runs
+    return triton_moe.applies(x, gate_up)
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -130,8 +143,17 @@ def _grouped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down
 
 def _gathered(rows: torch.Tensor, expert_of_row: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor) -> torch.Tensor:
-    """The fallback: each row's expert weights gathered, batched GEMVs. Reads an expert once per
-    row that picked it (memory T·top_k·2W·H): for devices and dtypes without a grouped GEMM."""
+    """The fallback for devices and dtypes without a grouped GEMM: each row's expert weights
+    gathered, batched GEMVs. It reads an expert once per row that picked it, so rows go in
+    chunks whose gathered weights stay under GATHER_BYTES."""
+    per_row = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    chunk = max(1, GATHER_BYTES // per_row)
+    return torch.cat([_gathered_chunk(rows[i:i + chunk], expert_of_row[i:i + chunk], gate_up, down)
+                      for i in range(0, rows.shape[0], chunk)])
+
+
+def _gathered_chunk(rows: torch.Tensor, expert_of_row: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
     h = torch.bmm(gate_up[expert_of_row], rows.unsqueeze(-1)).squeeze(-1)
     return torch.bmm(down[expert_of_row], _silu_mul(h).unsqueeze(-1)).squeeze(-1)
 
