@@ -823,20 +823,6 @@ for stage in "$@"; do
     moe37e) run moe37espec 200 python3 -m pytest -q -m gpu tests/test_triton_moe.py tests/test_moe.py -p no:cacheprovider
             run moe37e 400 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 16 128 \
               --out "$OUT/moe37e_h200.json" ;;
-    # the sorted-blocks MoE kernels past 16 tokens against the grouped GEMMs (12 layers, no HF)
-    moe37f) run moe37fspec 150 python3 -m pytest -q -m gpu tests/test_triton_moe.py -p no:cacheprovider
-            for v in "0 16,64,64,64,64,4,3" "256 16,64,64,64,64,4,3" "256 16,128,64,128,64,4,3" "256 16,64,128,64,128,8,3"; do
-              read -r n cfg <<< "$v"
-              run "moe37f_${n}_${cfg//,/-}" 120 env ROLLOUT_MOE_BLOCK_TOKENS=$n ROLLOUT_MOE_BLOCK_CONFIG=$cfg \
-                python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 32 64 128 --repeats 2 \
-                --skip-hf-generate --out "$OUT/moe37f_${n}_${cfg//,/-}.json"
-            done ;;
-    # moe37f again after the routing kernel's NaN fix (the padded graph rows' ids), two variants
-    moe37g) run moe37gspec 100 python3 -m pytest -q -m gpu tests/test_triton_moe.py -p no:cacheprovider
-            for n in 256 0; do
-              run "moe37g_$n" 80 env ROLLOUT_MOE_BLOCK_TOKENS=$n python3 benchmarks/moe_decode.py \
-                --layers 12 --batch-sizes 32 128 --repeats 2 --skip-hf-generate --out "$OUT/moe37g_$n.json"
-            done ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
