@@ -105,6 +105,22 @@ class RunnerDriver:
             self.runner.release_cpu_threads()
 
 
+def sync_flags(engine, prompts, params) -> int:
+    """Host synchronisations torch's sync debug mode flags during `engine.generate(prompts,
+    params)`, after a warm-up call of the same (allocator, graphs)."""
+    import warnings
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def kv_pool_whole(scheduler) -> bool:
     """Nothing resident and every KV slot with exactly one owner: the allocator's free lists or
     the prefix cache's tree (whose nodes no request holds), each slot 1..capacity once; every

@@ -19,7 +19,7 @@ from rollout.errors import ConfigError
 from rollout.layers import moe
 from rollout.layers.moe import SparseMoE, moe_experts
 from tests.conftest import MOE_ARCH
-from tests.helpers import RunnerDriver, gpu, hf_last_logits, hf_model
+from tests.helpers import RunnerDriver, gpu, hf_last_logits, hf_model, sync_flags
 from weight_sync import TRANSPORTS, WeightSender
 
 PROMPTS = [[1, 5, 9], [42, 7, 300, 12, 8, 99, 3], [256, 17], list(range(60, 75))]
@@ -175,7 +175,6 @@ def test_gpu_graphs_equal_hf_and_decode_never_syncs(tiny_dirs):
     """fp32 on the GPU path (CUDA graphs, overlap): greedy tokens equal HF's and the decode
     graphs ran; bf16 decode steps raise no host synchronisation (the grouped GEMMs and the
     routing on the device)."""
-    import warnings
     path = tiny_dirs[MOE_ARCH]
     hf = hf_model(path)
     engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="float32",
@@ -192,17 +191,8 @@ def test_gpu_graphs_equal_hf_and_decode_never_syncs(tiny_dirs):
                                kv_cache_tokens=4096))
 
     def flags(new_tokens: int) -> int:
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=3)
-        bf16.generate(PROMPTS, params)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                bf16.generate(PROMPTS, params)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
+        return sync_flags(bf16, PROMPTS, SamplingParams(max_new_tokens=new_tokens,
+                                                        ignore_eos=True, seed=3))
 
     short, long = flags(8), flags(40)  # the first measured call may carry a one-off flag
     assert long <= short, f"decode steps synchronised the host: {short} flags for 8 tokens, {long} for 40"

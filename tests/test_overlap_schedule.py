@@ -9,7 +9,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.errors import ConfigError
-from tests.helpers import kv_pool_whole
+from tests.helpers import kv_pool_whole, sync_flags
 from tests.test_generate import RAGGED
 
 ARCH = "Qwen3ForCausalLM"
@@ -115,24 +115,14 @@ def test_gpu_decode_steps_never_sync_the_host(tiny_dirs):
     pageable copies), and a generate of 40 tokens must raise no more flags than one of 8 —
     whatever syncs prefill has, decode steps add none. Batches change mid-way (ragged
     max_new_tokens), so rebuilt sampling tensors are covered too."""
-    import warnings
     eng = Engine(EngineConfig(model_path=tiny_dirs[ARCH], device="cuda", dtype="bfloat16",
                               kv_cache_tokens=4096))
     assert eng.scheduler.overlap
 
     def flags(new_tokens: int) -> int:
-        params = [SamplingParams(max_new_tokens=new_tokens - 2 * (i % 3), temperature=0.0 if i % 2 else 1.0,
-                                 seed=i) for i in range(8)]
-        eng.generate(RAGGED, params)  # warm-up: allocator, graphs
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                eng.generate(RAGGED, params)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
+        return sync_flags(eng, RAGGED, [
+            SamplingParams(max_new_tokens=new_tokens - 2 * (i % 3),
+                           temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(8)])
 
     short, long = flags(8), flags(40)
     # H200, 2026-11-30: 1 flag (a one-off in the first measured call) for 8 tokens, 0 for 40
