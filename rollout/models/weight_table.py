@@ -84,10 +84,14 @@ class WeightTable:
                             f"expected {slot.full_shape}")
             _check_dtype(spec, slot, exact_dtype, error)
         if complete:
-            missing = [n for n in self.names() if n not in seen
-                       and not all(p in seen for p in self.pieces.get(n, ("",)))]
+            missing = [n for n in self.names() if not self._given(n, seen)]
             if missing:
                 raise error(f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+
+    def _given(self, name: str, seen: set[str]) -> bool:
+        """`name` came whole, or as every one of its pieces."""
+        pieces = self.pieces.get(name)
+        return name in seen or (pieces is not None and all(p in seen for p in pieces))
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, full tensor) into this rank's shard, in place. Validate first."""
