@@ -122,6 +122,7 @@ class ModelConfig:
         archs = raw["architectures"]
         if not isinstance(archs, list) or not archs:
             raise ConfigError("config.json: 'architectures' must be a non-empty list")
+        _check_full_attention(raw)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         arch = archs[0]
@@ -144,6 +145,17 @@ class ModelConfig:
             eos_token_ids=eos,
             moe=MoEConfig.from_hf(raw, layers),
         )
+
+
+def _check_full_attention(raw: dict[str, Any]) -> None:
+    """Every layer attends to the whole context here: a sliding window shorter than the model's
+    positions (Mistral's `sliding_window`, Qwen's with `use_sliding_window`) would be computed
+    wrongly, so it is refused."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    positions = int(raw.get("max_position_embeddings", 2048))
+    if window is not None and int(window) < positions:
+        raise ConfigError(f"config.json: sliding-window attention (sliding_window={window} < "
+                          f"max_position_embeddings={positions}) is not supported")
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

@@ -13,8 +13,10 @@ from typing import Iterator, Optional
 import torch
 from safetensors.torch import save_file
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 256, 257, 258 after the 256 bytes
@@ -112,6 +114,8 @@ def hf_config_dict(spec: TinyModelSpec) -> dict:
     }
     if spec.architecture == "LlamaForCausalLM":
         cfg.update(attention_bias=False, mlp_bias=False)
+    if spec.architecture == "MistralForCausalLM":
+        cfg.update(sliding_window=None)  # full attention (Mistral 7B v0.2 and later)
     if spec.is_moe:
         cfg.update(attention_bias=False, num_experts=spec.num_experts,
                    num_experts_per_tok=spec.num_experts_per_tok,

@@ -41,3 +41,30 @@ def test_prefix_extend_matches_full_prefill(tiny_dirs):
                      driver.runner.device)
     logits = driver.runner.forward(fb)
     assert (logits[0] - hf_last_logits(hf, prompt)).abs().max().item() <= 1e-4
+
+
+def test_mistral_matches_hf_and_sliding_windows_are_refused(tmp_path):
+    """Mistral is Llama's decoder under its own name; a window shorter than the positions
+    (Mistral 7B v0.1's 4,096, or Qwen's with use_sliding_window) would be computed as full
+    attention, so it is a ConfigError, not a silent mismatch."""
+    import json
+    from rollout.config import ModelConfig
+    from rollout.errors import ConfigError
+    from rollout.tiny_model import TinyModelSpec, make_tiny_model
+    path = str(make_tiny_model(tmp_path / "m", TinyModelSpec(architecture="MistralForCausalLM")))
+    hf, driver = hf_model(path), RunnerDriver(path)
+    assert type(hf).__name__ == "MistralForCausalLM"
+    logits = driver.prefill([list(p) for p in PROMPTS])
+    want = torch.stack([hf_last_logits(hf, p) for p in PROMPTS])
+    assert (logits - want).abs().max() <= 1e-4
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    for bad in ({"sliding_window": 64}, {"architectures": ["Qwen2ForCausalLM"],
+                                         "use_sliding_window": True, "sliding_window": 64}):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **bad}))
+        with pytest.raises(ConfigError, match="sliding-window attention"):
+            ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "sliding_window": 1024}))
+    assert ModelConfig.from_pretrained(tmp_path).architecture == "MistralForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "use_sliding_window": False,
+                                                      "sliding_window": 64}))
+    ModelConfig.from_pretrained(tmp_path)  # a window that is off

@@ -2,8 +2,8 @@
 same random weights as the oracle (fp32): the config, the forward (a dense layer between sparse
 ones), greedy generation and its logprobs, the expert kernels' two forms against a per-token
 loop, and weight sync under both HF namings of the experts — a trainer's fused 3-D tensors and
-a checkpoint's per-expert ones — against a fresh load. TP=2 is in test_tp.py; the GPU path
-(CUDA graphs, bf16, no host sync) at the end."""
+a checkpoint's per-expert ones — against a fresh load, and through Ray into TP=2 shards (TP=2's
+forward is in test_tp.py); the GPU path (CUDA graphs, bf16, no host sync)."""
 from __future__ import annotations
 
 import json
@@ -198,3 +198,22 @@ def test_gpu_graphs_equal_hf_and_decode_never_syncs(tiny_dirs):
     assert long <= short, f"decode steps synchronised the host: {short} flags for 8 tokens, {long} for 40"
     bf16.shutdown()
 
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["tensor", "nccl"])
+def test_push_into_a_tp2_moe_replica(tiny_dirs, transport):
+    """Through Ray into TP=2 shards: each rank narrows the trainer's fused experts to its share
+    of every expert's width; the logits equal the trainer's."""
+    from actors import RolloutController
+    from tests.ray_helpers import local_ray
+    path = tiny_dirs[MOE_ARCH]
+    trainer = hf_model(path)
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=path, kv_cache_tokens=4096, tp_size=2)
+        with RolloutController(cfg, num_replicas=1) as ctl:
+            sender = WeightSender(ctl, transport, bucket_bytes=64 << 10)
+            _perturb(trainer, seed=3)
+            assert sender.push(trainer.named_parameters()) == 1
+            assert (ctl.prefill_logits(PROMPTS, 0) - _hf_logits(trainer)).abs().max() <= 1e-5
+            sender.close()

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3 differ only by flags; a config with experts gets
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 differ only by flags; a config with experts gets
 sparse MoE MLPs, `layers.moe`), tensor-parallel ready."""
 from __future__ import annotations
 
@@ -355,6 +355,10 @@ class LlamaForCausalLM(nn.Module):
             return self.weight_table.load(weights)
         finally:
             self.packed_weights.clear()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's decoder under Mistral's name (sliding windows are refused by ModelConfig)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

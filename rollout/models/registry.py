@@ -4,11 +4,13 @@ from __future__ import annotations
 from torch import nn
 
 from rollout.errors import ConfigError
-from rollout.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from rollout.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                  Qwen3ForCausalLM)
 from rollout.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
