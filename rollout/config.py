@@ -275,6 +275,9 @@ class EngineConfig:
     # system prompt — computes only the rest; unused entries are evicted (least recently used)
     # when slots are needed, and every weight update empties it
     prefix_cache: bool = True
+    # MoE models: each output carries the experts every token it fed through the model was
+    # routed to (`GenerateOutput.routed_experts`), for routing replay in the trainer
+    record_routed_experts: bool = False
     pause_mode: str = "retract"
     show_progress: bool = False
     load_format: str = "auto"  # "auto": the safetensors checkpoint; "dummy": random (benchmarks)
@@ -301,7 +304,7 @@ class EngineConfig:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("share_prompt_kv", "mixed_steps", "prefix_cache"):
+        for name in ("share_prompt_kv", "mixed_steps", "prefix_cache", "record_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

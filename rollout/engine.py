@@ -68,9 +68,11 @@ class Engine(EngineWeightsMixin):
         limits = SchedulerLimits(self.config.max_running_requests, self.config.prefill_token_budget(mc),
                                  mc.vocab_size, frozenset(mc.eos_token_ids))
         overlap = self.config.overlap and r.tp.size == 1
+        routing = r.token_to_kv_pool.routing
         return Scheduler(alloc, limits, self.run_batch, r.device, overlap=overlap,
                          mixed=self.config.mixed_steps, prefix_cache=self.config.prefix_cache,
-                         weights_epoch=self._weights_epoch)
+                         weights_epoch=self._weights_epoch,
+                         read_routing=routing.read if routing is not None else None)
 
     def _weights_epoch(self) -> int:
         return self.runner.weights_epoch if self.runner is not None else -1

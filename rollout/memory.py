@@ -45,6 +45,8 @@ class TokenToKVPool:
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._fused = None  # on a GPU: one Triton launch stores a step's K and V (triton: GPU-only dep)
+        # the experts each slot's token was routed to (`routing_record`), when they are recorded
+        self.routing = None
         if torch.device(device).type == "cuda":
             from rollout.attention.triton_kernels import store_kv
             self._fused = store_kv

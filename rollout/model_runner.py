@@ -15,12 +15,14 @@ from rollout import loader, pdl_policy
 from rollout.attention import create_backend
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import SINGLE, TPGroup
-from rollout.errors import CheckpointError, EngineNotReadyError, KVCacheBudgetError, WeightUpdateError
+from rollout.errors import (CheckpointError, ConfigError, EngineNotReadyError, KVCacheBudgetError,
+                            WeightUpdateError)
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.memory import (MEMORY_TAGS, ReqToTokenPool, StorageRecord, TokenToKVPool, check_memory_tags,
                             free_storages, kv_bytes_per_token, kv_capacity_tokens, restore_storages)
 from rollout.models.registry import model_class
+from rollout.routing_record import RoutingPool
 from weight_sync.spec import TensorSpec
 from rollout.sampler import SampleOutput, sample
 
@@ -83,6 +85,9 @@ class ModelRunner:
         cfg, mc = self.config, self.model_config
         kv_heads = mc.num_key_value_heads // self.tp.size
         per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, self.dtype)
+        routed = self._routed_layers()
+        if routed:
+            per_token += RoutingPool.bytes_per_token(routed, mc.moe.top_k)
         tokens = kv_capacity_tokens(
             bytes_per_token=per_token, tokens=cfg.kv_cache_tokens, budget_bytes=cfg.kv_cache_bytes,
             free_before_load=free_before, mem_fraction=cfg.mem_fraction,
@@ -97,8 +102,21 @@ class ModelRunner:
                                                 self.device)
         self.token_to_kv_pool = TokenToKVPool(tokens + 1, mc.num_hidden_layers, kv_heads, mc.head_dim,
                                               self.dtype, self.device)
+        if routed:
+            self.token_to_kv_pool.routing = RoutingPool(routed, tokens + 1, mc.moe.top_k,
+                                                        self.device)
         self.num_token_slots = tokens + 1  # slot 0 is the dummy for padded rows
         logger.info("KV cache: %d tokens (%.1f MiB)", tokens, self.token_to_kv_pool.nbytes() / 2**20)
+
+    def _routed_layers(self) -> int:
+        """Sparse layers whose routing is recorded (`record_routed_experts`), else 0."""
+        moe = self.model_config.moe
+        if not self.config.record_routed_experts:
+            return 0
+        if moe is None:
+            raise ConfigError(f"record_routed_experts needs a mixture-of-experts model; "
+                              f"{self.model_config.architecture} has no experts")
+        return len(moe.sparse_layers)
 
     def _init_cuda_graphs(self):
         if self.device.type != "cuda" or not self.config.cuda_graph:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
+
 from rollout.request import Request
 
 
@@ -26,6 +28,10 @@ class GenerateOutput:
     matched_stop: Union[int, str, None] = None
     # prompt tokens whose KV came from the prefix cache (at its last admission), not computed
     cached_tokens: int = 0
+    # with EngineConfig.record_routed_experts (MoE): int16 [len(prompt) + len(tokens) - 1,
+    # sparse layers, top_k], the experts each token fed through the model was routed to
+    # (prompt tokens, then every output token but the last), for routing replay in the trainer
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -41,4 +47,5 @@ class GenerateOutput:
             token_weight_versions=versions, prompt_index=req.prompt_index,
             sample_index=req.sample_index, text=text, top_logprobs=list(req.top_logprobs),
             num_retractions=req.num_retractions, matched_stop=req.matched_stop,
-            cached_tokens=req.cached_tokens)
+            cached_tokens=req.cached_tokens,
+            routed_experts=req.routed_experts.array() if req.routed_experts is not None else None)

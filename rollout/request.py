@@ -11,6 +11,7 @@ import numpy as np
 
 from rollout.prefix_cache import CacheNode
 from rollout.prompt_group import PromptGroup
+from rollout.routing_record import RoutingReadback
 from rollout.sampling_params import SamplingParams
 from rollout.stop_strings import StopStrings
 
@@ -52,6 +53,8 @@ class Request:
     dup_slots: Optional[np.ndarray] = field(default=None, repr=False)
     stop_strings: Optional[StopStrings] = field(default=None, repr=False)  # params.stop's checker
     matched_stop: Union[int, str, None] = None  # the stop token id or stop string that ended it
+    # its tokens' experts, read back when it finished (`routing_record`; recorded engines only)
+    routed_experts: Optional[RoutingReadback] = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:

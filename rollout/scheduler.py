@@ -38,6 +38,7 @@ import torch
 from rollout.batch_builder import build_batch, build_decode_batch
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
+from rollout.routing_record import RoutingReadback
 from rollout.launched_step import HostSample, LaunchedStep
 from rollout.prefix_cache import CacheNode, PrefixCache
 from rollout.prompt_group import PromptGroup
@@ -76,8 +77,11 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, allocator: KVAllocator, limits: SchedulerLimits, run_batch: RunBatch,
                  device: torch.device, overlap: bool = False, mixed: bool = False,
-                 prefix_cache: bool = False, weights_epoch: Callable[[], int] = lambda: 0):
+                 prefix_cache: bool = False, weights_epoch: Callable[[], int] = lambda: 0,
+                 read_routing: Optional[Callable[[np.ndarray], RoutingReadback]] = None):
         self.alloc, self.limits, self.run_batch, self.device = allocator, limits, run_batch, device
+        # a finished request's routing, read by its KV slots before they go (`routing_record`)
+        self.read_routing = read_routing
         self.overlap, self.mixed = overlap, mixed
         # the runner's count of weight writes; with the commits of versions, what cached KV is
         # tagged with (a version may be pushed again, and weights may be written with none)
@@ -442,6 +446,10 @@ class Scheduler:
         (`cache_kv`, when on and the KV is of the current weights) or back to the pool; its
         holds on cached and group slots end (the group's go back with its last holder)."""
         own, cache = req.shared_len, self.cache
+        if self.read_routing is not None and req.finish_reason is not None:
+            # every token fed through the model: the prompt and the outputs but the last
+            fed = min(req.kv_allocated, req.length - 1)
+            req.routed_experts = self.read_routing(self.alloc.table[req.row, :fed].copy())
         self._check_cache_epoch()
         if cache_kv and cache is not None and req.kv_version == cache.version:
             # the KV of every token but the last applied one is computed by completed steps

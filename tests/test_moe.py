@@ -217,3 +217,62 @@ def test_push_into_a_tp2_moe_replica(tiny_dirs, transport):
             assert sender.push(trainer.named_parameters()) == 1
             assert (ctl.prefill_logits(PROMPTS, 0) - _hf_logits(trainer)).abs().max() <= 1e-5
             sender.close()
+
+
+def _hf_routing(hf, seq: list[int]) -> torch.Tensor:
+    """HF's experts for each token of `seq` in each sparse layer: [tokens, layers, top_k], sorted."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq]), output_router_logits=True).router_logits
+    k = hf.config.num_experts_per_tok
+    return torch.stack([torch.topk(torch.softmax(x.float(), -1), k).indices for x in logits],
+                       1).sort(-1).values
+
+
+def _routing_is_hfs(hf, out) -> bool:
+    seq = out.prompt_token_ids + out.token_ids[:-1]
+    got = torch.from_numpy(out.routed_experts.astype("int64")).sort(-1).values
+    return got.shape == (len(seq), 2, 2) and torch.equal(got, _hf_routing(hf, seq))
+
+
+def test_routed_experts_are_hfs_routing_for_every_fed_token(tiny_dirs):
+    """Routing replay: each output's `routed_experts` names, for every token it fed through the
+    model (prompt, then outputs but the last) and every sparse layer, the experts HF routes that
+    token to — also where the prompt's KV was a shared prompt's (n > 1), came from the prefix
+    cache (a next turn), or was computed in a mixed step of continuous batching."""
+    path = tiny_dirs[MOE_ARCH]
+    hf = hf_model(path)
+    engine = Engine(EngineConfig(model_path=path, kv_cache_tokens=4096, max_running_requests=3,
+                                 record_routed_experts=True))
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1, n=2))
+    turn = first[2].prompt_token_ids + first[2].token_ids + [17, 18]
+    (second,) = engine.generate([turn], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert second.cached_tokens > 0
+    for out in first + [second]:
+        assert out.routed_experts.dtype == "int16" and _routing_is_hfs(hf, out)
+    assert engine.stats.mixed_decode_tokens > 0  # some routing came from mixed steps
+    engine.shutdown()
+
+
+def test_routing_is_recorded_only_when_asked_and_only_for_moe(tiny_dirs):
+    engine = Engine(EngineConfig(model_path=tiny_dirs[MOE_ARCH], kv_cache_tokens=4096))
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))[0]
+    assert out.routed_experts is None and engine.runner.token_to_kv_pool.routing is None
+    with pytest.raises(ConfigError, match="record_routed_experts needs a mixture-of-experts"):
+        Engine(EngineConfig(model_path=tiny_dirs["Qwen2ForCausalLM"], kv_cache_tokens=4096,
+                            record_routed_experts=True))
+    with pytest.raises(ConfigError, match="record_routed_experts must be a bool"):
+        EngineConfig(record_routed_experts="yes")
+
+
+@pytest.mark.ray
+def test_routed_experts_through_a_tp2_replica(tiny_dirs):
+    from actors import RolloutController
+    from tests.ray_helpers import local_ray
+    path = tiny_dirs[MOE_ARCH]
+    with local_ray(num_cpus=4):
+        cfg = EngineConfig(model_path=path, kv_cache_tokens=4096, tp_size=2,
+                           record_routed_experts=True)
+        with RolloutController(cfg, num_replicas=1) as ctl:
+            outs = ctl.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=2))
+    hf = hf_model(path)
+    assert all(_routing_is_hfs(hf, out) for out in outs)

@@ -19,6 +19,7 @@ from torch import nn
 
 from rollout.config import MoEConfig
 from rollout.distributed import SINGLE, TPGroup
+from rollout.forward_batch import ForwardBatch
 from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -70,15 +71,17 @@ class SparseMoE(nn.Module):
     """Router (`gate`, HF's `mlp.gate.weight`) + experts. The routing follows HF's: softmax in
     float32 over the router logits, top_k, optionally renormalised, in the model dtype."""
 
-    def __init__(self, cfg: MoEConfig, hidden: int, tp: TPGroup = SINGLE):
+    def __init__(self, cfg: MoEConfig, hidden: int, tp: TPGroup = SINGLE, record_index: int = 0):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.record_index = record_index  # this layer's row of a RoutingPool
         self.gate = nn.Module()
         self.gate.weight = make_param((cfg.num_experts, hidden), replicated_loader,
                                       {None: (cfg.num_experts, hidden)})
         self.experts = FusedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: Optional[ForwardBatch] = None) -> torch.Tensor:
+        """`fb`: the step's batch, whose KV pool may record the routing (`routing_record`)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if x.is_cuda and _few_tokens(x, gate_up):  # decode: three Triton kernels, no sort
             from rollout.layers import triton_moe
@@ -88,6 +91,9 @@ class SparseMoE(nn.Module):
         else:
             weights, experts = self.route(x)
             out = moe_experts(x, weights, experts, gate_up, down)
+        routing = fb.token_to_kv_pool.routing if fb is not None else None
+        if routing is not None:
+            routing.record(self.record_index, fb.out_cache_loc, experts)
         if self.tp.size > 1:  # partial sums over the expert width, rounded once after the sum
             out = self.tp.all_reduce(out)
         return out.to(x.dtype)

@@ -187,8 +187,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, layer_id, tp, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        sparse = cfg.moe is not None and layer_id in cfg.moe.sparse_layers
-        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size, tp) if sparse else MLP(cfg, tp)
+        self.sparse = cfg.moe is not None and layer_id in cfg.moe.sparse_layers
+        self.mlp = (SparseMoE(cfg.moe, cfg.hidden_size, tp,
+                              record_index=sorted(cfg.moe.sparse_layers).index(layer_id))
+                    if self.sparse else MLP(cfg, tp))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: Union[torch.Tensor, SplitSum],
                 residual: Optional[torch.Tensor],
@@ -204,7 +206,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.self_attn.forward_normed(rope, h, residual, self.input_layernorm,
                                                         fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, fb) if self.sparse else self.mlp(h)), residual
 
     def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                     residual: Optional[torch.Tensor],
@@ -233,7 +235,7 @@ class DecoderLayer(nn.Module):
         residual = h + residual
         x = rms_norm_ref(residual, post_w, eps)
         if gu_w is None:  # a sparse MoE MLP
-            return self.mlp(x), residual
+            return self.mlp(x, fb), residual
         if (array := ONE_ROW_BLAS.array_for(x, gu_w)) is not None:
             act = _silu_mul(ONE_ROW_BLAS.gemv(x, array), inter)
         elif (halves := packed.halves(gu_w, inter)) is not None:
