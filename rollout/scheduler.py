@@ -38,11 +38,11 @@ import torch
 from rollout.batch_builder import build_batch, build_decode_batch
 from rollout.forward_batch import ForwardBatch, ForwardMode
 from rollout.kv_allocator import KVAllocator
-from rollout.routing_record import RoutingReadback
 from rollout.launched_step import HostSample, LaunchedStep
 from rollout.prefix_cache import CacheNode, PrefixCache
 from rollout.prompt_group import PromptGroup
 from rollout.request import Request
+from rollout.routing_record import RoutingReadback
 from rollout.sampler import SampleOutput
 from rollout.sampling_info import SamplingBatchInfo
 
