@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from rollout.errors import ConfigError, KVCacheBudgetError
+from rollout.routing_record import RoutingPool
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ class TokenToKVPool:
     """Per-layer K and V buffers [num_slots, kv_heads_per_rank, head_dim]."""
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str,
+                 routing: Optional[RoutingPool] = None):
         shape = (num_slots, kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._fused = None  # on a GPU: one Triton launch stores a step's K and V (triton: GPU-only dep)
         # the experts each slot's token was routed to (`routing_record`), when they are recorded
-        self.routing = None
+        self.routing = routing
         if torch.device(device).type == "cuda":
             from rollout.attention.triton_kernels import store_kv
             self._fused = store_kv

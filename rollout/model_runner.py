@@ -41,6 +41,8 @@ class ModelRunner:
         self.weights_epoch = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # sparse layers whose routing is recorded: checked before the weights load
+        self.routed_layers = self._routed_layers()
         free_before = self._free_device_memory()
         self.initialize()
         self.init_memory_pool(free_before)
@@ -85,7 +87,7 @@ class ModelRunner:
         cfg, mc = self.config, self.model_config
         kv_heads = mc.num_key_value_heads // self.tp.size
         per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, self.dtype)
-        routed = self._routed_layers()
+        routed = self.routed_layers
         if routed:
             per_token += RoutingPool.bytes_per_token(routed, mc.moe.top_k)
         tokens = kv_capacity_tokens(
@@ -100,11 +102,9 @@ class ModelRunner:
                                    mc.max_position_embeddings)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.max_context_len,
                                                 self.device)
+        routing = RoutingPool(routed, tokens + 1, mc.moe.top_k, self.device) if routed else None
         self.token_to_kv_pool = TokenToKVPool(tokens + 1, mc.num_hidden_layers, kv_heads, mc.head_dim,
-                                              self.dtype, self.device)
-        if routed:
-            self.token_to_kv_pool.routing = RoutingPool(routed, tokens + 1, mc.moe.top_k,
-                                                        self.device)
+                                              self.dtype, self.device, routing)
         self.num_token_slots = tokens + 1  # slot 0 is the dummy for padded rows
         logger.info("KV cache: %d tokens (%.1f MiB)", tokens, self.token_to_kv_pool.nbytes() / 2**20)
 

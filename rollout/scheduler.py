@@ -449,7 +449,7 @@ class Scheduler:
         if self.read_routing is not None and req.finish_reason is not None:
             # every token fed through the model: the prompt and the outputs but the last
             fed = min(req.kv_allocated, req.length - 1)
-            req.routed_experts = self.read_routing(self.alloc.table[req.row, :fed].copy())
+            req.routed_experts = self.read_routing(self.alloc.table[req.row, :fed])
         self._check_cache_epoch()
         if cache_kv and cache is not None and req.kv_version == cache.version:
             # the KV of every token but the last applied one is computed by completed steps

@@ -251,8 +251,8 @@ class DecoderLayer(nn.Module):
         if refs is None:
             a, m = self.self_attn, self.mlp
             assert self.input_layernorm.eps == self.post_attention_layernorm.eps
-            dense = (m.gate_up_proj.weight, m.down_proj.weight, m.inter) if isinstance(m, MLP) \
-                else (None, None, None)  # the sparse MLP runs as its module
+            dense = (None, None, None) if self.sparse \
+                else (m.gate_up_proj.weight, m.down_proj.weight, m.inter)  # sparse: its module
             refs = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
                     self.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
                     *dense[:2], a.q_norm, a.k_norm, a.attn, a.heads,
