@@ -33,6 +33,12 @@ SHAPES = {
                                 num_key_value_heads=2, max_position_embeddings=4096,
                                 rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02,
                                 dtype="bfloat16"),
+    # Qwen3-1.7B (q/k norms, head_dim 128 from 16 heads of a 2,048 hidden)
+    "qwen3-1.7b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
+                                hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                max_position_embeddings=4096, rope_theta=1000000.0,
+                                tie_word_embeddings=True, init_std=0.02, dtype="bfloat16"),
 }
 
 

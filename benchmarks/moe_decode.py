@@ -105,13 +105,16 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="each batch's decode graph: replay time and its kernels (torch.profiler)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--record-routed-experts", action="store_true",
+                   help="routing replay on (EngineConfig.record_routed_experts): its cost")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.samples_per_prompt, args.hf_static_cache = 1, False
     shape = SMALL if args.small else SHAPE
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     hf = hf_random_model(shape, args.layers, dtype, args.device)
-    result = {"shape": {**shape, "num_hidden_layers": args.layers}, "torch": torch.__version__}
+    result = {"shape": {**shape, "num_hidden_layers": args.layers}, "torch": torch.__version__,
+              "record_routed_experts": args.record_routed_experts}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = hf.config.to_dict()
         cfg["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -120,6 +123,7 @@ def main() -> None:
         engine = Engine(EngineConfig(model_path=tmp, device=args.device, dtype=str(dtype)[6:],
                                      load_format="dummy", prefix_cache=False,
                                      max_running_requests=max(*args.batch_sizes, 4),
+                                     record_routed_experts=args.record_routed_experts,
                                      kv_cache_tokens=None if args.device == "cuda" else 65536))
         _sync(args.device)
         result["startup_s"] = time.perf_counter() - t0

@@ -156,6 +156,48 @@ def test_rotary_with_kv_store_equals_rotary_then_set_kv(dtype, rows, heads):
         assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 64), ((6, 1), 96), ((32, 4), 128)])
+def test_rotary_with_qk_norm_equals_norms_then_rotary(dtype, rows, heads, head_dim):
+    """Qwen3's q/k norms inside the rotary kernel: HF's per-head RMSNorm (q_norm's weight on the
+    query heads, k_norm's on the key heads) then the rotation, as the two-kernel path computes
+    it; the KV cache gets the normed and rotated keys. fp32 within 1e-5; bf16 within one rounding
+    of the mean (the sum order), which the rotation can carry a few ulps further."""
+    q_heads, kv_heads = heads
+    qkv = rand(rows, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=rows)
+    qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(rows, q_heads + kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    cos, sin = rope(rows, head_dim, dtype, seed=rows)
+    wq = rand(head_dim, dtype=dtype, seed=5, scale=0.3) + 1
+    wk = rand(head_dim, dtype=dtype, seed=6, scale=0.3) + 1
+    normed = torch.cat((ref_rms_norm(qk[:, :q_heads], wq), ref_rms_norm(qk[:, q_heads:], wk)), 1)
+    expected = apply_rotary(normed, cos, sin)
+    loc = torch.randperm(40, generator=torch.Generator().manual_seed(rows))[:rows].add(1).to(DEV)
+    kb = torch.zeros(48, kv_heads, head_dim, dtype=dtype, device=DEV)
+    vb = torch.zeros_like(kb)
+    out = triton_ops.apply_rotary_inplace(
+        qk, cos, sin, kv=triton_ops.KVStore(v, loc, kb, vb),
+        qk_norm=triton_ops.QKNorm(wq, wk, EPS, q_heads))
+    assert out is qk
+    if dtype == torch.float32:
+        assert (qk - expected).abs().max().item() <= 1e-5
+    else:
+        assert (qk.float() - expected.float()).abs().max().item() <= 0.05
+        assert (qk != expected).float().mean().item() <= 0.02
+    assert torch.equal(kb[loc], qk[:, q_heads:]) and torch.equal(vb[loc], v)
+
+
+def test_rotary_qk_norm_bad_weights_are_refused():
+    x, cs = torch.zeros(2, 6, 64, device=DEV), torch.zeros(2, 1, 32, device=DEV)
+    w = torch.ones(64, device=DEV)
+    for norm in (triton_ops.QKNorm(torch.ones(32, device=DEV), w, EPS, 4),  # head_dim
+                 triton_ops.QKNorm(w, torch.ones(64, 2, device=DEV)[:, 0], EPS, 4),  # strided
+                 triton_ops.QKNorm(w, w, EPS, 6)):  # no key heads left
+        with pytest.raises(ValueError, match="q/k norm"):
+            triton_ops.apply_rotary_inplace(x, cs, cs, qk_norm=norm)
+
+
 def test_rotary_kv_store_bad_shapes_are_refused():
     x = torch.zeros(2, 6, 64, device=DEV)
     cs = torch.zeros(2, 1, 32, device=DEV)

@@ -253,6 +253,32 @@ def test_routed_experts_are_hfs_routing_for_every_fed_token(tiny_dirs):
     engine.shutdown()
 
 
+@gpu
+def test_gpu_routing_record_equals_hf_through_graphs_without_syncs(tiny_dirs):
+    """Routing replay on the GPU path: the routing kernel's ids scattered by slot inside the
+    decode graphs (fp32: HF's routing for every fed token, graphs replayed), and recording adds
+    no host synchronisation to bf16 decode steps (the readback is a pinned non-blocking copy)."""
+    path = tiny_dirs[MOE_ARCH]
+    hf = hf_model(path)
+    engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="float32",
+                                 kv_cache_tokens=4096, record_routed_experts=True))
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=2, n=2))
+    assert engine.runner.graph_runner.num_replays >= 14
+    for out in outs:
+        assert out.routed_experts.dtype == "int16" and _routing_is_hfs(hf, out)
+    engine.shutdown()
+    bf16 = Engine(EngineConfig(model_path=path, device="cuda", dtype="bfloat16",
+                               kv_cache_tokens=4096, record_routed_experts=True))
+
+    def flags(new_tokens: int) -> int:
+        return sync_flags(bf16, PROMPTS, SamplingParams(max_new_tokens=new_tokens,
+                                                        ignore_eos=True, seed=3))
+
+    short, long = flags(8), flags(40)
+    assert long <= short, f"decode steps synchronised the host: {short} flags for 8 tokens, {long} for 40"
+    bf16.shutdown()
+
+
 def test_routing_is_recorded_only_when_asked_and_only_for_moe(tiny_dirs):
     engine = Engine(EngineConfig(model_path=tiny_dirs[MOE_ARCH], kv_cache_tokens=4096))
     out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))[0]

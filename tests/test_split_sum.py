@@ -119,14 +119,19 @@ def qkv_views(qkv, q_heads, kv_heads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rows,heads,splits", [(1, (4, 2), 2), (5, (6, 1), 3), (17, (12, 2), 4)])
-def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, rows, heads, splits):
+def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, qk_norm, rows, heads,
+                                                     splits):
     """The rotary kernel given qkv's split-K partials (+ bias) writes the qkv output — q and k
-    rotated, v as summed — and the KV cache exactly as the reduce kernel followed by the rotary
-    kernel do."""
+    (Qwen3: normed and) rotated, v as summed — and the KV cache exactly as the reduce kernel
+    followed by the rotary kernel do."""
     q_heads, kv_heads = heads
     partials, bias, cos, sin, loc = qkv_case(rows, q_heads, kv_heads, splits, dtype, with_bias,
                                              seed=rows)
+    gen = torch.Generator().manual_seed(3)
+    norm = triton_ops.QKNorm(*(torch.randn(64, generator=gen).add(1).to(DEV, dtype)
+                               for _ in range(2)), 1e-6, q_heads) if qk_norm else None
     reduced = torch.empty(partials.shape[1:], dtype=dtype, device=DEV)
     triton_gemv.reduce_split(partials, bias, reduced, False, splits)
     results = []
@@ -137,7 +142,7 @@ def test_rotary_from_split_equals_reduce_then_rotary(dtype, with_bias, store, ro
         kb = torch.zeros(48, kv_heads, 64, dtype=dtype, device=DEV)
         vb = torch.zeros_like(kb)
         kv = triton_ops.KVStore(v, loc, kb, vb) if store else None
-        triton_ops.apply_rotary_inplace(qk, cos, sin, kv=kv, source=source)
+        triton_ops.apply_rotary_inplace(qk, cos, sin, kv=kv, source=source, qk_norm=norm)
         results.append((qkv, kb, vb))
     (ref, ref_kb, ref_vb), (out, kb, vb) = results
     assert torch.equal(out, ref) and torch.equal(kb, ref_kb) and torch.equal(vb, ref_vb)

@@ -6,8 +6,8 @@ rotary and SiLU gate several more. Here each is one kernel: `fused_add_rms_norm`
 RMSNorm; `split_add_rms_norm` when the added GEMM output is still split-K partials, which it
 sums first), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
 and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
-values into the KV cache in the same launch, and optionally computing qkv first from its GEMM's
-split-K partials, a SplitSum). The CPU path stays plain torch (the
+values into the KV cache in the same launch, optionally computing qkv first from its GEMM's
+split-K partials, a SplitSum, and optionally RMS-norming each head first, Qwen3's q/k norms). The CPU path stays plain torch (the
 HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
 and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
 are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
@@ -32,6 +32,7 @@ numpy's exp).
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -43,6 +44,9 @@ from rollout.layers.split_sum import SplitSum
 from rollout.triton_pdl import launch_options, pdl_wait
 
 MAX_HIDDEN = 16384  # one program holds a whole row
+# Qwen3's q/k norms inside the rotary kernel (ROLLOUT_FUSED_QK_NORM=0: two rms_norm launches
+# before it, the A/B's other side)
+FUSED_QK_NORM = os.environ.get("ROLLOUT_FUSED_QK_NORM", "1") != "0"
 
 
 def _num_warps(block: int) -> int:
@@ -268,10 +272,10 @@ def _split_sum(P, Bias, offs, cols, stride_split, mask, acc, SPLIT: tl.constexpr
 def _rotary_kernel(
     X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
     V, Loc, KBuf, VBuf, stride_vt, stride_kb, stride_vb, Q_HEADS,
-    P, Bias, stride_pt, stride_ps,
+    P, Bias, stride_pt, stride_ps, QNormW, KNormW, NORM_Q_HEADS, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
     STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -283,6 +287,14 @@ def _rotary_kernel(
     sin = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     if STORE_KV:
         slot = tl.load(Loc + t).to(tl.int64)
+    if QK_NORM:  # a head's norm weight halves: q_norm's for the query heads, k_norm's after
+        is_q = (offs_h < NORM_Q_HEADS)[:, None]
+        qw1 = tl.load(QNormW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(QNormW + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(KNormW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(KNormW + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w1 = tl.where(is_q, qw1, kw1)
+        w2 = tl.where(is_q, qw2, kw2)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     p1 = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     dt = X.dtype.element_ty  # every product is its own rounded tensor in torch
@@ -296,6 +308,14 @@ def _rotary_kernel(
     else:
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3's per-head RMSNorm, with rms_norm's roundings, before the rotation
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        if COMPILED:
+            r = libdevice.rsqrt(var + eps)[:, None]
+        else:  # the interpreter has no libdevice
+            r = tl.math.rsqrt(var + eps)[:, None]
+        x1 = _round(_round(x1 * r, dt, COMPILED) * w1, dt, COMPILED)
+        x2 = _round(_round(x2 * r, dt, COMPILED) * w2, dt, COMPILED)
     o1 = _round(_round(x1 * cos, dt, COMPILED) - _round(x2 * sin, dt, COMPILED), dt, COMPILED)
     o2 = _round(_round(x2 * cos, dt, COMPILED) + _round(x1 * sin, dt, COMPILED), dt, COMPILED)
     tl.store(p1, o1, mask=mask)
@@ -321,6 +341,15 @@ def _rotary_kernel(
             tl.store(VBuf + slot * stride_vb + offs_v, v.to(VBuf.dtype.element_ty), mask=v_mask)
 
 
+class QKNorm(NamedTuple):
+    """Qwen3's per-head q/k RMSNorms, applied by `apply_rotary_inplace` before the rotation: x's
+    first `q_heads` heads take `q_weight`, the rest `k_weight` (both [head_dim])."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    q_heads: int
+
+
 class KVStore(NamedTuple):
     """Where `apply_rotary_inplace` also writes a step's keys and values: the last kv heads of
     x are the keys; `v` [T, kv_heads, head_dim] (rows contiguous), `loc` [T] KV slots, and the
@@ -332,15 +361,16 @@ class KVStore(NamedTuple):
 
 
 def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv: Optional[KVStore] = None,
-                         source: Optional[SplitSum] = None) -> torch.Tensor:
+                         kv: Optional[KVStore] = None, source: Optional[SplitSum] = None,
+                         qk_norm: Optional[QKNorm] = None) -> torch.Tensor:
     """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
     fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x. With `kv`, the same launch
     stores the rotated keys (x's last kv heads) and the values into the KV cache, as
     `TokenToKVPool.set_kv` would: one kernel a layer fewer. With `source` (the qkv GEMM's
     split-K partials, + bias), x is not written yet: it is the leading heads of `source.out`,
     whose every column (x's, then the values') the kernel first sums as the GEMM's reduce kernel
-    would have."""
+    would have. With `qk_norm`, every head is first RMS-normed as `rms_norm` would (Qwen3): two
+    kernels a layer fewer, and the norm reads the summed partials, so qkv may stay split."""
     if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
         raise ValueError(f"expected [T, heads, even head_dim] contiguous in head_dim, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -351,6 +381,8 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              f"{x.dtype}")
     if kv is not None:
         _check_kv_store(x, kv)
+    if qk_norm is not None:
+        _check_qk_norm(x, qk_norm)
     v = _source_values(x, source) if source is not None else (kv.v if kv is not None else None)
     if x.numel() == 0:
         return x
@@ -369,12 +401,14 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  source.partials.stride(1), source.partials.stride(0))
     else:
         split = (x, x, 0, 0)
+    norm = ((qk_norm.q_weight, qk_norm.k_weight, qk_norm.q_heads, qk_norm.eps)
+            if qk_norm is not None else (x, x, 0, 0.0))
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, *store,
-        *split, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
+        *split, *norm, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
         STORE_KV=kv is not None, KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
         SPLIT=source.splits if source is not None else 1,
-        HAS_BIAS=source is not None and source.bias is not None,
+        HAS_BIAS=source is not None and source.bias is not None, QK_NORM=qk_norm is not None,
         num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
 
@@ -391,6 +425,16 @@ def _source_values(x: torch.Tensor, source: SplitSum) -> torch.Tensor:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} is not the leading heads of the source's "
                          f"qkv output {tuple(out.shape)} {source.dtype}")
     return out[:, heads * dim:].view(t, kv_cols // dim, dim)
+
+
+def _check_qk_norm(x: torch.Tensor, norm: QKNorm) -> None:
+    dim = x.shape[2]
+    for w in (norm.q_weight, norm.k_weight):
+        if w.shape != (dim,) or w.device != x.device or w.stride(0) != 1:
+            raise ValueError(f"q/k norm weight {tuple(w.shape)} on {w.device} does not fit heads "
+                             f"of {dim} on {x.device}")
+    if not 0 < norm.q_heads < x.shape[1]:
+        raise ValueError(f"q/k norm: {norm.q_heads} query heads of x's {x.shape[1]}")
 
 
 def _check_kv_store(x: torch.Tensor, kv: KVStore) -> None:
@@ -415,4 +459,4 @@ def _is_compiled(kernel) -> bool:
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
 __all__ = ["fused_add_rms_norm", "split_add_rms_norm", "rms_norm", "silu_and_mul",
-           "apply_rotary_inplace", "KVStore", "MAX_HIDDEN"]
+           "apply_rotary_inplace", "KVStore", "QKNorm", "MAX_HIDDEN"]

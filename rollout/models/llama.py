@@ -79,19 +79,22 @@ class DecoderAttention(nn.Module):
         from rollout.layers import triton_ops
         if self.q_norm is None and (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
             return *self._heads(fused), True
-        # split-K partials of qkv are summed by the rotary kernel (no q/k norm in between)
-        qkv = self.qkv_proj(x, defer_split=self.q_norm is None)
+        fuse_norm = self.q_norm is not None and triton_ops.FUSED_QK_NORM
+        # split-K partials of qkv are summed by the rotary kernel (and normed there, Qwen3)
+        qkv = self.qkv_proj(x, defer_split=self.q_norm is None or fuse_norm)
         split = qkv if isinstance(qkv, SplitSum) else None
         qk, v = self._heads(split.out if split is not None else qkv)  # the rotary kernel writes
-        if self.q_norm is not None:
+        if self.q_norm is not None and not fuse_norm:
             for heads, norm in zip(qk.split([self.heads, self.kv_heads], dim=1),
                                    (self.q_norm, self.k_norm)):
                 triton_ops.rms_norm(heads, norm.weight, norm.eps, out=heads)
-        # rotary and the KV cache write in one kernel where the pool allows it
+        # the q/k norms, rotary and the KV cache write in one kernel where the pool allows it
         target = fb.token_to_kv_pool.rotary_store_target(self.attn.layer_id, fb.out_cache_loc, v)
         triton_ops.apply_rotary_inplace(
             qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
-            source=split)
+            source=split, qk_norm=triton_ops.QKNorm(self.q_norm.weight, self.k_norm.weight,
+                                                    self.q_norm.eps, self.heads)
+            if fuse_norm else None)
         return qk, v, target is not None
 
     def _fused_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
