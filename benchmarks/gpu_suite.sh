@@ -823,6 +823,43 @@ for stage in "$@"; do
     moe37e) run moe37espec 200 python3 -m pytest -q -m gpu tests/test_triton_moe.py tests/test_moe.py -p no:cacheprovider
             run moe37e 400 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 16 128 \
               --out "$OUT/moe37e_h200.json" ;;
+    # the sorted-blocks MoE kernels past 16 tokens against the grouped GEMMs (12 layers, no HF)
+    moe37f) run moe37fspec 150 python3 -m pytest -q -m gpu tests/test_triton_moe.py -p no:cacheprovider
+            for v in "0 16,64,64,64,64,4,3" "256 16,64,64,64,64,4,3" "256 16,128,64,128,64,4,3" "256 16,64,128,64,128,8,3"; do
+              read -r n cfg <<< "$v"
+              run "moe37f_${n}_${cfg//,/-}" 120 env ROLLOUT_MOE_BLOCK_TOKENS=$n ROLLOUT_MOE_BLOCK_CONFIG=$cfg \
+                python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 32 64 128 --repeats 2 \
+                --skip-hf-generate --out "$OUT/moe37f_${n}_${cfg//,/-}.json"
+            done ;;
+    # moe37f again after the routing kernel's NaN fix (the padded graph rows' ids), two variants
+    moe37g) run moe37gspec 100 python3 -m pytest -q -m gpu tests/test_triton_moe.py -p no:cacheprovider
+            for n in 256 0; do
+              run "moe37g_$n" 80 env ROLLOUT_MOE_BLOCK_TOKENS=$n python3 benchmarks/moe_decode.py \
+                --layers 12 --batch-sizes 32 128 --repeats 2 --skip-hf-generate --out "$OUT/moe37g_$n.json"
+            done ;;
+    # Qwen3: the q/k norms in the rotary kernel (specs, then the engine A/B on qwen3-1.7b), the
+    # routing record on the GPU path
+    q38spec) run q38spec 300 python3 -m pytest -q -m gpu tests/test_fused_ops.py tests/test_split_sum.py \
+              tests/test_moe.py tests/test_triton_moe.py -p no:cacheprovider
+             run q38model 200 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider \
+              -k "model_with_triton_backend_matches_hf or cuda_graph_greedy_matches_eager or cuda_graph_after_weight_reload" ;;
+    q38ab) run q38ab 560 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyeighth_session.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 32 128 --repeats 2 --timeout-s 200 \
+              --out "$OUT/q38ab.json" ;;
+    q38hf) run q38hf 400 python3 benchmarks/decode_throughput.py --shape qwen3-1.7b --device cuda \
+              --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out "$OUT/decode_qwen3_h200.json" ;;
+    # MoE past 16 tokens: sorted blocks (configs) against the grouped GEMMs; routing record cost
+    moe38) for v in "0 16,64,64,64,64,4,3" "256 16,64,64,64,64,4,3" "256 16,128,64,128,64,4,3" "256 16,64,128,64,128,4,4"; do
+              read -r n cfg <<< "$v"
+              run "moe38_${n}_${cfg//,/-}" 150 env ROLLOUT_MOE_BLOCK_TOKENS=$n ROLLOUT_MOE_BLOCK_CONFIG=$cfg \
+                python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 32 64 128 --repeats 2 \
+                --skip-hf-generate --out "$OUT/moe38_${n}_${cfg//,/-}.json"
+            done ;;
+    moe38r) for r in off on; do flag=; [ $r = on ] && flag=--record-routed-experts
+              run "moe38r_$r" 150 python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 1 128 \
+                --repeats 2 --skip-hf-generate $flag --out "$OUT/moe38r_$r.json"
+            done ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

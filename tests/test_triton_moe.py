@@ -1,4 +1,5 @@
-"""Spec for the decode MoE kernels (`rollout.layers.triton_moe`) against the torch forms of
+"""Spec for the MoE kernels (`rollout.layers.triton_moe`: few tokens, and sorted blocks) against
+the torch forms of
 `rollout.layers.moe` (the routing of `SparseMoE.route`, the experts of `moe_experts`): under the
 CPU interpreter in fp32 (and bf16, within its rounding), and on a GPU at Qwen3-30B-A3B's
 layer shape in bf16."""
@@ -63,6 +64,54 @@ def test_routing_nan_logits_still_names_real_experts():
     weights, ids = triton_moe.route(logits, 3, True, torch.float32)
     assert ((ids >= 0) & (ids < 8)).all() and (ids.sort(-1).values.diff(dim=-1) > 0).all()
     assert torch.equal(ids[0].long(), torch.topk(torch.softmax(logits[0], -1), 3).indices)
+
+
+def test_align_blocks_groups_every_pair_once():
+    torch.manual_seed(3)
+    experts, top_k, tokens, bm = 6, 2, 11, 4
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
+    rows, block_expert = triton_moe.align_blocks(ids, experts, bm)
+    pairs = tokens * top_k
+    real = rows[rows < pairs].long()
+    assert sorted(real.tolist()) == list(range(pairs))  # each pair once, the rest the sentinel
+    assert rows.numel() == block_expert.numel() * bm
+    flat = ids.reshape(-1).long()
+    for b, e in enumerate(block_expert.tolist()):
+        block = rows[b * bm:(b + 1) * bm].long()
+        block = block[block < pairs]
+        if e == experts:  # past the last expert's blocks: empty
+            assert block.numel() == 0
+        else:
+            assert block.numel() > 0 and (flat[block] == e).all()
+    assert (block_expert == experts).sum() > 0
+
+
+# 16-bit under the interpreter in fp16: its tl.dot of bf16 tiles returns garbage (triton 3.9's
+# interpreter; bf16 is the GPU spec's)
+@pytest.mark.parametrize("dtype,tokens", [(torch.float32, 5), (torch.float32, 20),
+                                          (torch.float16, 12)])
+def test_sorted_blocks_equal_the_torch_form(monkeypatch, dtype, tokens):
+    monkeypatch.setattr(triton_moe, "BLOCK_CONFIG", (16, 16, 16, 16, 16, 4, 2))
+    layer = _layer(8, 2, 48, 40, True, dtype)  # widths not multiples of the tiles: masks
+    x = torch.randn(tokens, 48, device=DEV).to(dtype)
+    weights, ids = layer.route(x)
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    got = triton_moe.experts_blocked(x, weights, ids, gate_up, down)
+    want = moe_experts(x, weights, ids, gate_up, down)
+    tol = 1e-5 if dtype == torch.float32 else 0.02 * want.abs().max().item()
+    assert (got - want).abs().max() <= tol
+
+
+@gpu
+def test_gpu_sorted_blocks_at_the_30b_a3b_layer_shape():
+    layer = _layer(128, 8, 2048, 768, True, torch.bfloat16, seed=2)
+    for tokens in (17, 64, 128):
+        x = torch.randn(tokens, 2048, device=DEV).bfloat16()
+        weights, ids = layer.route(x)
+        gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+        got = triton_moe.experts_blocked(x, weights, ids, gate_up, down)
+        want = moe_experts(x, weights, ids, gate_up, down)
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()
 
 
 @gpu

@@ -83,11 +83,12 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: Optional[ForwardBatch] = None) -> torch.Tensor:
         """`fb`: the step's batch, whose KV pool may record the routing (`routing_record`)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if x.is_cuda and _few_tokens(x, gate_up):  # decode: three Triton kernels, no sort
+        form = _triton_form(x, gate_up) if x.is_cuda else None
+        if form is not None:  # decode: three Triton kernels (few tokens), or sorted blocks
             from rollout.layers import triton_moe
             weights, experts = triton_moe.route(F.linear(x, self.gate.weight), self.cfg.top_k,
                                                 self.cfg.norm_topk_prob, x.dtype)
-            out = triton_moe.experts(x, weights, experts, gate_up, down)
+            out = form(x, weights, experts, gate_up, down)
         else:
             weights, experts = self.route(x)
             out = moe_experts(x, weights, experts, gate_up, down)
@@ -107,9 +108,12 @@ class SparseMoE(nn.Module):
         return top.to(x.dtype), ids
 
 
-def _few_tokens(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+def _triton_form(x: torch.Tensor, gate_up: torch.Tensor):
+    """The `triton_moe` experts function for this step, or None (the grouped GEMMs)."""
     from rollout.layers import triton_moe  # lazily: triton only where CUDA runs
-    return triton_moe.applies(x, gate_up)
+    if triton_moe.applies(x, gate_up):
+        return triton_moe.experts
+    return triton_moe.experts_blocked if triton_moe.blocks_apply(x, gate_up) else None
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

@@ -148,3 +148,125 @@ def _down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, W, TOP_K: tl.
         total += acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(out_ptr + token * H + rows, total, mask=row_ok)
 
+
+# ---- batches past MAX_TOKENS: the routed rows sorted by expert, a block of rows one expert's ----
+
+# tokens a step may have for the sorted-blocks form (ROLLOUT_MOE_BLOCK_TOKENS; 0: never), and
+# its config (rows a block, gate/up N tile, K chunk, down N tile, K chunk, warps, stages)
+MAX_BLOCK_TOKENS = int(os.environ.get("ROLLOUT_MOE_BLOCK_TOKENS", "0"))
+BLOCK_CONFIG = tuple(int(v) for v in os.environ.get("ROLLOUT_MOE_BLOCK_CONFIG",
+                                                    "16,64,64,64,64,4,3").split(","))
+
+
+def blocks_apply(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """CUDA steps of at most MAX_BLOCK_TOKENS tokens in 16-bit dtypes (tl.dot would take fp32
+    as TF32)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_BLOCK_TOKENS
+            and x.dtype in (torch.bfloat16, torch.float16) and gate_up.is_contiguous())
+
+
+def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [blocks · block_m]: the (token, choice) pairs grouped by expert, each expert's run
+    padded to whole blocks with the sentinel T·top_k; expert of each block, num_experts past the
+    last). Fixed sizes, device ops only: no host sync."""
+    # in range whatever the ids hold: the compile-ahead's dry forwards launch no Triton kernel,
+    # so the routing's output is uninitialised there while these torch ops still run
+    flat = ids.reshape(-1).long().clamp(0, num_experts - 1)
+    pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    padded_end = torch.cumsum(padded, 0)
+    expert_sorted = flat[order]
+    slot = (padded_end - padded)[expert_sorted] + torch.arange(pairs, device=ids.device) \
+        - start[expert_sorted]
+    blocks = triton.cdiv(pairs, block_m) + num_experts
+    rows = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=ids.device)
+    rows.scatter_(0, slot, order.to(torch.int32))
+    first_rows = torch.arange(blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(padded_end, first_rows, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+def experts_blocked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`moe.moe_experts` as two tiled GEMM kernels over blocks of one expert's rows: float32
+    [T, H]."""
+    tokens, hidden = x.shape
+    num_experts, top_k, width = gate_up.shape[0], ids.shape[1], gate_up.shape[1] // 2
+    bm, bn_a, bk_a, bn_b, bk_b, warps, stages = BLOCK_CONFIG
+    rows, block_expert = align_blocks(ids, num_experts, bm)
+    blocks = block_expert.numel()
+    pairs = tokens * top_k
+    act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
+    _blocked_gate_up_kernel[(blocks, triton.cdiv(width, bn_a))](
+        x, rows, block_expert, gate_up, act, hidden, width, pairs, num_experts, TOP_K=top_k,
+        BLOCK_M=bm, BLOCK_N=bn_a, BLOCK_K=bk_a, num_warps=warps, num_stages=stages)
+    per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _blocked_down_kernel[(blocks, triton.cdiv(hidden, bn_b))](
+        act, rows, block_expert, weights, down, per_pair, hidden, width, pairs, num_experts,
+        BLOCK_M=bm, BLOCK_N=bn_b, BLOCK_K=bk_b, num_warps=warps, num_stages=stages)
+    return per_pair.view(tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _blocked_gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, act_ptr, H, W, PAIRS, E,
+                            TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < PAIRS
+    token = tl.where(pair_ok, pair // TOP_K, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < W
+    gate_rows = w_ptr + expert.to(tl.int64) * (2 * W) * H + n[None, :] * H
+    up_rows = gate_rows + W * H
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        a = tl.load(x_ptr + token[:, None] * H + k[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        b_ok = k_ok[:, None] & n_ok[None, :]
+        gate = tl.dot(a, tl.load(gate_rows + k[:, None], mask=b_ok, other=0.0), gate)
+        up = tl.dot(a, tl.load(up_rows + k[:, None], mask=b_ok, other=0.0), up)
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * W + n[None, :], act,
+             mask=pair_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _blocked_down_kernel(act_ptr, rows_ptr, block_expert_ptr, weights_ptr, w_ptr, out_ptr, H, W,
+                         PAIRS, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= E:
+        return
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < PAIRS
+    safe_pair = tl.where(pair_ok, pair, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    w_rows = w_ptr + expert.to(tl.int64) * H * W + n[None, :] * W
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, W, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < W
+        a = tl.load(act_ptr + safe_pair[:, None] * W + k[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                other=0.0), acc)
+    weight = tl.load(weights_ptr + safe_pair, mask=pair_ok, other=0.0).to(tl.float32)
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + safe_pair[:, None] * H + n[None, :], y, mask=pair_ok[:, None] & n_ok[None, :])
