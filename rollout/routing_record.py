@@ -4,7 +4,8 @@ RL on a mixture-of-experts policy drifts when the trainer's forward routes a tok
 experts than the rollout did (bf16 near-ties, other kernels); replaying the rollout's routing in
 the trainer removes that source of mismatch. So with `EngineConfig.record_routed_experts` every
 sparse layer writes the expert ids of the tokens it computes at their KV slots
-(`RoutingPool.record`, one device scatter a layer, captured in the decode graphs), and a
+(`RoutingPool.record`, one device scatter a layer, or the decode routing kernel's own store;
+captured in the decode graphs), and a
 sample's routing is read back when it finishes, by its slots (`read`). Keyed by slot, a token's
 routing is there whoever computed it: a shared prompt's lead sample, an earlier call whose KV the
 prefix cache kept, a retracted sample's recomputation."""
@@ -25,6 +26,10 @@ class RoutingPool:
     @staticmethod
     def bytes_per_token(num_layers: int, top_k: int) -> int:
         return num_layers * top_k * 2
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s ids [slots, top_k], which the decode routing kernel writes itself."""
+        return self.ids[layer]
 
     def record(self, layer: int, loc: torch.Tensor, experts: torch.Tensor) -> None:
         """Layer `layer`'s expert ids [T, top_k] of the tokens at KV slots `loc` [T] (a graph's

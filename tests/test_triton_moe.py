@@ -66,6 +66,22 @@ def test_routing_nan_logits_still_names_real_experts():
     assert torch.equal(ids[0].long(), torch.topk(torch.softmax(logits[0], -1), 3).indices)
 
 
+def test_routing_kernel_records_ids_at_the_slots():
+    """Routing replay on the decode path: the routing kernel writes each token's ids (int16) at
+    its KV slot of the layer's record, and nothing else; a record that does not fit is refused."""
+    from rollout.routing_record import RoutingPool
+    logits = torch.randn(4, 8, device=DEV)
+    pool = RoutingPool(2, 16, 3, DEV)
+    pool.ids.fill_(-1)
+    loc = torch.tensor([5, 0, 11, 7], device=DEV)
+    _, ids = triton_moe.route(logits, 3, True, torch.float32, (pool.layer(1), loc))
+    want = torch.full((2, 16, 3), -1, dtype=torch.int16, device=DEV)
+    want[1, loc] = ids.to(torch.int16)
+    assert torch.equal(pool.ids, want)
+    with pytest.raises(ValueError, match="routing record"):
+        triton_moe.route(logits, 3, True, torch.float32, (pool.layer(1), loc[:3]))
+
+
 def test_align_blocks_groups_every_pair_once():
     torch.manual_seed(3)
     experts, top_k, tokens, bm = 6, 2, 11, 4

@@ -83,18 +83,20 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: Optional[ForwardBatch] = None) -> torch.Tensor:
         """`fb`: the step's batch, whose KV pool may record the routing (`routing_record`)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        routing = fb.token_to_kv_pool.routing if fb is not None else None
         form = _triton_form(x, gate_up) if x.is_cuda else None
         if form is not None:  # decode: three Triton kernels (few tokens), or sorted blocks
             from rollout.layers import triton_moe
+            record = ((routing.layer(self.record_index), fb.out_cache_loc)
+                      if routing is not None else None)  # written by the routing kernel
             weights, experts = triton_moe.route(F.linear(x, self.gate.weight), self.cfg.top_k,
-                                                self.cfg.norm_topk_prob, x.dtype)
+                                                self.cfg.norm_topk_prob, x.dtype, record)
             out = form(x, weights, experts, gate_up, down)
         else:
             weights, experts = self.route(x)
             out = moe_experts(x, weights, experts, gate_up, down)
-        routing = fb.token_to_kv_pool.routing if fb is not None else None
-        if routing is not None:
-            routing.record(self.record_index, fb.out_cache_loc, experts)
+            if routing is not None:
+                routing.record(self.record_index, fb.out_cache_loc, experts)
         if self.tp.size > 1:  # partial sums over the expert width, rounded once after the sum
             out = self.tp.all_reduce(out)
         return out.to(x.dtype)

@@ -18,6 +18,7 @@ grouped GEMMs). No host sync, fixed grids: CUDA graphs capture it."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -39,15 +40,27 @@ def applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_TOKENS and gate_up.is_contiguous()
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, top_k] in `dtype`, expert ids [T, top_k] int32) from router logits [T, E]."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
+          record: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] in `dtype`, expert ids [T, top_k] int32) from router logits [T, E].
+    `record` (a RoutingPool layer's ids [slots, top_k] int16, the tokens' KV slots [T]): the ids
+    are also written there, by the same kernel (routing replay without a launch of its own)."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    _route_kernel[(tokens,)](logits, weights, ids, experts, BLOCK_E=triton.next_power_of_2(experts),
-                             TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k),
-                             RENORM=renormalize)
+    if record is not None:
+        table, loc = record
+        if (table.dim() != 2 or table.shape[1] != top_k or not table.is_contiguous()
+                or loc.shape != (tokens,)):
+            raise ValueError(f"routing record {tuple(table.shape)} / slots {tuple(loc.shape)} "
+                             f"do not fit {tokens} tokens of top {top_k}")
+    else:
+        table, loc = ids, ids
+    _route_kernel[(tokens,)](logits, weights, ids, table, loc, experts,
+                             BLOCK_E=triton.next_power_of_2(experts), TOP_K=top_k,
+                             BLOCK_TOP=triton.next_power_of_2(top_k), RENORM=renormalize,
+                             RECORD=record is not None)
     return weights, ids
 
 
@@ -69,8 +82,9 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, BLOCK_E: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, RENORM: tl.constexpr):
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, record_ptr, loc_ptr, E,
+                  BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                  RENORM: tl.constexpr, RECORD: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -94,6 +108,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, BLOCK_E: tl.constexpr,
     keep = slots < TOP_K
     tl.store(weights_ptr + t * TOP_K + slots, top.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, chosen, mask=keep)
+    if RECORD:
+        slot = tl.load(loc_ptr + t).to(tl.int64)
+        tl.store(record_ptr + slot * TOP_K + slots, chosen.to(tl.int16), mask=keep)
 
 
 @triton.jit
