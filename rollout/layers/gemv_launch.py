@@ -1,6 +1,7 @@
 """The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, triton_qkv_rope): the
-`Config` of a launch, the table measured on an H200 for the Qwen2-1.5B decode shapes (`_TUNED`,
-one entry per (rows rounded up to a power of two, N, K, gated); None: cuBLAS measured faster),
+`Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and Qwen3-1.7B decode
+shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K, gated); None: cuBLAS
+measured faster),
 another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS) and the heuristic for the
 shapes the table does not list (`_config`). Plain Python: the kernels are in triton_gemv."""
 from __future__ import annotations
@@ -166,6 +167,20 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (16, 17920, 1536, True): Config(32, 128, 1, 4, True),
     (16, 1536, 8960, False): Config(32, 256, 7, 4, True),
     (16, 151936, 1536, False): None,
+    # Qwen3-1.7B (hidden 2,048, 16 / 8 heads of 128, intermediate 6,144; thirty-eighth
+    # session): the Qwen2 entries' analogues, measured in the engine only
+    # (benchmarks/ab_thirtyeighth_session_b.json, two rounds). One row: the preloading FMA GEMVs
+    # and the pipelined LM head, batch-1 decode graph 1.4453 -> 1.2081 ms, 682 -> 805 tok/s.
+    # 17-32 rows: qkv, o and down on the TMA kernel, split along K, batch-32 graph 1.9222 ->
+    # 1.8811 ms. The same at 128 rows lost (2.7919 -> 2.8918), so 33+ rows stay on cuBLAS.
+    (1, 4096, 2048, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    (1, 2048, 2048, False): Config(2, 512, 1, 2, False, 3, preload=3),
+    (1, 12288, 2048, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
+    (1, 2048, 6144, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
+    (1, 151936, 2048, False): Config(8, 512, 1, 4, False, 3, pipeline=3),
+    (32, 4096, 2048, False): _TMA_QKV_O._replace(split_k=2),
+    (32, 2048, 2048, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
+    (32, 2048, 6144, False): Config(128, 128, 6, 4, True, 4, 64, tma=True),
 }
 
 

@@ -13,8 +13,11 @@ a one-row group at 40% of the bandwidth (H200, Qwen3-30B-A3B shape, docs/BENCHMA
     rows against its activation, rounded as a GEMM output, weighted and summed in fp32.
 
 No sort: a pair reads its expert's rows itself, so an expert two tokens chose is read twice,
-which is why this form serves only up to `MAX_TOKENS` tokens (the larger batches keep the
-grouped GEMMs). No host sync, fixed grids: CUDA graphs capture it."""
+which is why this form serves only up to `MAX_TOKENS` tokens. From there to `MAX_BLOCK_TOKENS`
+(decode batches) `experts_blocked` sorts the (token, choice) pairs by expert on the device, pads
+each expert's run to whole blocks and runs tiled gate/up + SiLU and down over blocks of one
+expert's rows, so an expert is read once a block; larger steps (prefill) keep the grouped GEMMs.
+No host sync, fixed grids: CUDA graphs capture both."""
 from __future__ import annotations
 
 import os
@@ -168,11 +171,14 @@ def _down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, W, TOP_K: tl.
 
 # ---- batches past MAX_TOKENS: the routed rows sorted by expert, a block of rows one expert's ----
 
-# tokens a step may have for the sorted-blocks form (ROLLOUT_MOE_BLOCK_TOKENS; 0: never), and
-# its config (rows a block, gate/up N tile, K chunk, down N tile, K chunk, warps, stages)
-MAX_BLOCK_TOKENS = int(os.environ.get("ROLLOUT_MOE_BLOCK_TOKENS", "0"))
+# Tokens a step may have for the sorted-blocks form (ROLLOUT_MOE_BLOCK_TOKENS; 0: never; the
+# largest decode graph's batch), and its config (rows a block, gate/up N tile, K chunk, down N
+# tile, K chunk, warps, stages). H200, Qwen3-30B-A3B shape at 12 layers, engine tok/s, grouped
+# GEMMs -> sorted blocks: 32 tokens 5,587 -> 7,587, 64 9,577 -> 12,731, 128 16,729 -> 21,489 (the
+# best of three configs; moe38 in docs/BENCHMARKS.md).
+MAX_BLOCK_TOKENS = int(os.environ.get("ROLLOUT_MOE_BLOCK_TOKENS", "256"))
 BLOCK_CONFIG = tuple(int(v) for v in os.environ.get("ROLLOUT_MOE_BLOCK_CONFIG",
-                                                    "16,64,64,64,64,4,3").split(","))
+                                                    "16,64,128,64,128,4,4").split(","))
 
 
 def blocks_apply(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
