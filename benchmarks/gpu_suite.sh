@@ -849,7 +849,10 @@ for stage in "$@"; do
     q38b) run q38b 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyeighth_session_b.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 32 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q38b.json" ;;
-    moe38spec) run moe38spec 150 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_triton_moe.py -p no:cacheprovider ;;
+    moe38spec) run moe38spec 180 python3 -m pytest -v -m gpu tests/test_moe.py tests/test_triton_moe.py -p no:cacheprovider
+               grep -E "PASSED|FAILED|ERROR|Error|error:|Fatal|assert" "$OUT/moe38spec.log" | head -40 ;;
+    moe38hf) run moe38hf 330 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 16 128 \
+              --out "$OUT/moe38_h200.json" ;;
     q38hf) run q38hf 400 python3 benchmarks/decode_throughput.py --shape qwen3-1.7b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
               --out "$OUT/decode_qwen3_h200.json" ;;
