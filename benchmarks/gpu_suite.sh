@@ -851,6 +851,11 @@ for stage in "$@"; do
               --out "$OUT/q38b.json" ;;
     moe38spec) run moe38spec 180 python3 -m pytest -v -m gpu tests/test_moe.py tests/test_triton_moe.py -p no:cacheprovider
                grep -E "PASSED|FAILED|ERROR|Error|error:|Fatal|assert" "$OUT/moe38spec.log" | head -40 ;;
+    moe38spec2) run moe38spec2 120 python3 -m pytest -v -m gpu tests/test_moe.py -p no:cacheprovider \
+                  -k "routing_record or sorted_blocks"
+                grep -E "PASSED|FAILED|ERROR|Error|error:|Fatal|assert" "$OUT/moe38spec2.log" | head -20
+                run moe38spec3 120 python3 -m pytest -v -m gpu tests/test_moe.py tests/test_triton_moe.py -p no:cacheprovider
+                grep -E "PASSED|FAILED|ERROR|Error|error:|Fatal|assert" "$OUT/moe38spec3.log" | head -20 ;;
     moe38hf) run moe38hf 330 python3 benchmarks/moe_decode.py --layers 24 --batch-sizes 1 16 128 \
               --out "$OUT/moe38_h200.json" ;;
     q38hf) run q38hf 400 python3 benchmarks/decode_throughput.py --shape qwen3-1.7b --device cuda \

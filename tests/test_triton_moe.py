@@ -78,6 +78,11 @@ def test_routing_kernel_records_ids_at_the_slots():
     want = torch.full((2, 16, 3), -1, dtype=torch.int16, device=DEV)
     want[1, loc] = ids.to(torch.int16)
     assert torch.equal(pool.ids, want)
+    # slots out of range (a compile-ahead dry forward's garbage inputs) are not written
+    _, ids = triton_moe.route(logits, 3, True, torch.float32,
+                              (pool.layer(0), torch.tensor([99, -3, 2, 16], device=DEV)))
+    want[0, 2] = ids[2].to(torch.int16)
+    assert torch.equal(pool.ids, want)
     with pytest.raises(ValueError, match="routing record"):
         triton_moe.route(logits, 3, True, torch.float32, (pool.layer(1), loc[:3]))
 

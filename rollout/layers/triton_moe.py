@@ -60,7 +60,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
                              f"do not fit {tokens} tokens of top {top_k}")
     else:
         table, loc = ids, ids
-    _route_kernel[(tokens,)](logits, weights, ids, table, loc, experts,
+    _route_kernel[(tokens,)](logits, weights, ids, table, loc, table.shape[0], experts,
                              BLOCK_E=triton.next_power_of_2(experts), TOP_K=top_k,
                              BLOCK_TOP=triton.next_power_of_2(top_k), RENORM=renormalize,
                              RECORD=record is not None)
@@ -85,7 +85,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, record_ptr, loc_ptr, E,
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, record_ptr, loc_ptr, NUM_SLOTS, E,
                   BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
                   RENORM: tl.constexpr, RECORD: tl.constexpr):
     t = tl.program_id(0)
@@ -111,9 +111,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, record_ptr, loc_ptr, E,
     keep = slots < TOP_K
     tl.store(weights_ptr + t * TOP_K + slots, top.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, chosen, mask=keep)
-    if RECORD:
-        slot = tl.load(loc_ptr + t).to(tl.int64)
-        tl.store(record_ptr + slot * TOP_K + slots, chosen.to(tl.int16), mask=keep)
+    if RECORD:  # slots in range only: a compile-ahead dry forward's inputs are garbage
+        slot = tl.load(loc_ptr + t).to(tl.int64) + tl.zeros([BLOCK_TOP], dtype=tl.int64)
+        tl.store(record_ptr + slot * TOP_K + slots, chosen.to(tl.int16),
+                 mask=keep & (slot >= 0) & (slot < NUM_SLOTS))
 
 
 @triton.jit
