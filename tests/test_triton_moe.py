@@ -87,6 +87,19 @@ def test_routing_kernel_records_ids_at_the_slots():
         triton_moe.route(logits, 3, True, torch.float32, (pool.layer(1), loc[:3]))
 
 
+def test_experts_kernels_clamp_ids_out_of_range():
+    """A compile-ahead dry forward may hand the expert kernels an unwritten ids buffer: ids out
+    of range read the nearest real expert instead of memory past the weights."""
+    layer = _layer(8, 2, 64, 32, True, torch.float32)
+    x = torch.randn(3, 64, device=DEV)
+    weights, _ = layer.route(x)
+    garbage = torch.tensor([[-5, 3], [8, 1 << 30], [2, -1]], device=DEV, dtype=torch.int32)
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    got = triton_moe.experts(x, weights, garbage, gate_up, down)
+    want = triton_moe.experts(x, weights, garbage.clamp(0, 7), gate_up, down)
+    assert torch.equal(got, want)
+
+
 def test_align_blocks_groups_every_pair_once():
     torch.manual_seed(3)
     experts, top_k, tokens, bm = 6, 2, 11, 4

@@ -75,11 +75,13 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     bn_a, bk_a, bn_b, bk_b, warps = CONFIG
     act = torch.empty(tokens * top_k, width, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(width, bn_a))](
-        x, ids, gate_up, act, hidden, width, TOP_K=top_k, BLOCK_N=bn_a, BLOCK_K=bk_a,
+        x, ids, gate_up, act, hidden, width, gate_up.shape[0], TOP_K=top_k, BLOCK_N=bn_a,
+        BLOCK_K=bk_a,
         num_warps=warps)
     out = torch.empty(tokens, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, bn_b))](
-        act, ids, weights, down, out, hidden, width, TOP_K=top_k, BLOCK_N=bn_b, BLOCK_K=bk_b,
+        act, ids, weights, down, out, hidden, width, down.shape[0], TOP_K=top_k,
+        BLOCK_N=bn_b, BLOCK_K=bk_b,
         num_warps=warps)
     return out
 
@@ -118,12 +120,20 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, record_ptr, loc_ptr, NUM_SLO
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, H, W, TOP_K: tl.constexpr,
+def _real_expert(expert, E):
+    """An expert id clamped into [0, E): the routing kernel's ids are always in range, but a
+    compile-ahead dry forward skips a kernel variant not compiled yet (a new routing variant)
+    and launches the compiled ones after it on its output buffer's garbage."""
+    return tl.minimum(tl.maximum(expert.to(tl.int64), 0), E - 1)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, H, W, E, TOP_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < W
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = _real_expert(tl.load(ids_ptr + pair), E)
     x_row = x_ptr + (pair // TOP_K) * H
     gate_rows = w_ptr + expert * (2 * W) * H + rows[:, None] * H
     up_rows = gate_rows + W * H
@@ -147,7 +157,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, H, W, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, W, TOP_K: tl.constexpr,
+def _down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, W, E, TOP_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +165,7 @@ def _down_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, W, TOP_K: tl.
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(TOP_K):
         pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        expert = _real_expert(tl.load(ids_ptr + pair), E)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         w_rows = w_ptr + expert * H * W + rows[:, None] * W
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
