@@ -247,19 +247,27 @@ def experts_blocked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 @triton.jit
+def _block(block_expert_ptr, rows_ptr, PAIRS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (expert — E past the last block —, which of its block's rows hold a pair,
+    the pairs with the padding rows' sentinel as 0, its output columns, which are < N)."""
+    block = tl.program_id(0)
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < PAIRS
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (tl.load(block_expert_ptr + block).to(tl.int64), pair_ok,
+            tl.where(pair_ok, pair, 0).to(tl.int64), n, n < N)
+
+
+@triton.jit
 def _blocked_gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, act_ptr, H, W, PAIRS, E,
                             TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, pair_ok, pair, n, n_ok = _block(block_expert_ptr, rows_ptr, PAIRS, W, BLOCK_M,
+                                            BLOCK_N)
     if expert >= E:
         return
-    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pair < PAIRS
-    token = tl.where(pair_ok, pair // TOP_K, 0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < W
-    gate_rows = w_ptr + expert.to(tl.int64) * (2 * W) * H + n[None, :] * H
+    token = pair // TOP_K
+    gate_rows = w_ptr + expert * (2 * W) * H + n[None, :] * H
     up_rows = gate_rows + W * H
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -275,7 +283,7 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, act_ptr, H
     gate = gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(act_ptr + pair.to(tl.int64)[:, None] * W + n[None, :], act,
+    tl.store(act_ptr + pair[:, None] * W + n[None, :], act,
              mask=pair_ok[:, None] & n_ok[None, :])
 
 
@@ -283,16 +291,11 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, act_ptr, H
 def _blocked_down_kernel(act_ptr, rows_ptr, block_expert_ptr, weights_ptr, w_ptr, out_ptr, H, W,
                          PAIRS, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, pair_ok, safe_pair, n, n_ok = _block(block_expert_ptr, rows_ptr, PAIRS, H, BLOCK_M,
+                                                 BLOCK_N)
     if expert >= E:
         return
-    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pair < PAIRS
-    safe_pair = tl.where(pair_ok, pair, 0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
-    w_rows = w_ptr + expert.to(tl.int64) * H * W + n[None, :] * W
+    w_rows = w_ptr + expert * H * W + n[None, :] * W
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, W, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -303,4 +306,5 @@ def _blocked_down_kernel(act_ptr, rows_ptr, block_expert_ptr, weights_ptr, w_ptr
                                 other=0.0), acc)
     weight = tl.load(weights_ptr + safe_pair, mask=pair_ok, other=0.0).to(tl.float32)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-    tl.store(out_ptr + safe_pair[:, None] * H + n[None, :], y, mask=pair_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + safe_pair[:, None] * H + n[None, :], y,
+             mask=pair_ok[:, None] & n_ok[None, :])
