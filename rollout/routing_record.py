@@ -4,9 +4,9 @@ RL on a mixture-of-experts policy drifts when the trainer's forward routes a tok
 experts than the rollout did (bf16 near-ties, other kernels); replaying the rollout's routing in
 the trainer removes that source of mismatch. So with `EngineConfig.record_routed_experts` every
 sparse layer writes the expert ids of the tokens it computes at their KV slots
-(`RoutingPool.record`, one device scatter a layer, or the decode routing kernel's own store;
-captured in the decode graphs), and a
-sample's routing is read back when it finishes, by its slots (`read`). Keyed by slot, a token's
+(`RoutingPool.record`, one device scatter a layer, or on the decode paths the routing kernel's
+own store into `layer`; captured in the decode graphs), and a sample's routing is read back
+when it finishes, by its slots (`read`). Keyed by slot, a token's
 routing is there whoever computed it: a shared prompt's lead sample, an earlier call whose KV the
 prefix cache kept, a retracted sample's recomputation."""
 from __future__ import annotations
