@@ -7,10 +7,11 @@ RMSNorm; `split_add_rms_norm` when the added GEMM output is still split-K partia
 sums first), `rms_norm` (also per head, for Qwen3's q/k norms, in place if asked), `silu_and_mul`
 and `apply_rotary_inplace` (q and k heads together; optionally storing the new keys and
 values into the KV cache in the same launch, optionally computing qkv first from its GEMM's
-split-K partials, a SplitSum, and optionally RMS-norming each head first, Qwen3's q/k norms). The CPU path stays plain torch (the
-HF-exact reference); this module is imported lazily on first GPU use, so triton stays optional
-and a CPU test process can still turn the interpreter on (TRITON_INTERPRET=1) before the kernels
-are decorated. No host syncs and no data-dependent sizes: every op can be captured in a CUDA graph.
+split-K partials, a SplitSum, and optionally RMS-norming each head first, Qwen3's q/k norms).
+The CPU path stays plain torch (the HF-exact reference); this module is imported lazily on
+first GPU use, so triton stays optional and a CPU test process can still turn the interpreter on
+(TRITON_INTERPRET=1) before the kernels are decorated. No host syncs and no data-dependent
+sizes: every op can be captured in a CUDA graph.
 
 Rounding: each kernel repeats the roundings of the torch expression it replaces (bf16/fp16
 values are computed in fp32 and rounded, to nearest even, wherever torch rounds an intermediate
@@ -309,7 +310,7 @@ def _rotary_kernel(
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:  # Qwen3's per-head RMSNorm, with rms_norm's roundings, before the rotation
-        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * (1.0 / (2 * HALF))
         if COMPILED:
             r = libdevice.rsqrt(var + eps)[:, None]
         else:  # the interpreter has no libdevice
