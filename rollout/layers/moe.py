@@ -123,14 +123,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     """Σ_k weights[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t)) for e = experts[t, k], as a
     float32 [T, H] (the top_k terms summed in float32). `gate_up` [E, 2W, H], `down` [E, H, W]."""
     tokens, top_k = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # the routed rows grouped by expert
+    flat = experts.reshape(-1).long()
+    order, counts = group_by_expert(flat, gate_up.shape[0])
     rows = x[order // top_k]
     key = (x.device.type, x.dtype)
     if _GROUPED_MM is not None and key not in _NO_GROUPED_MM:
-        # group ends: a scatter (not bincount, which reads its max back to the host on CUDA)
-        counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
         out = _grouped(rows, ends, gate_up, down, key)
     else:
@@ -140,6 +137,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     per_row = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, k) order
     per_row = per_row.view(tokens, top_k, -1).float() * weights.unsqueeze(-1).float()
     return per_row.sum(dim=1)
+
+
+def group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order: the routed rows' indices grouped by expert, stable; rows per expert [E] int64)
+    for expert ids `flat` [rows] int64. The counts by a scatter, not bincount, which reads its
+    max back to the host on CUDA: device ops only."""
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
 
 
 def _grouped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.moe import group_by_expert
+
 # Tokens a step may have for this form (ROLLOUT_MOE_DECODE_TOKENS; 0: never). H200, Qwen3-30B-A3B
 # shape at 12 layers, engine tok/s, grouped GEMMs → these kernels: 1 token 579 → 1,002, 4 1,470 →
 # 2,562, 8 2,259 → 3,515, 16 3,511 → 4,503, 32 5,555 → 5,387 (moe37c / moe37d in BENCHMARKS.md).
@@ -204,13 +206,11 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int
     """(rows [blocks · block_m]: the (token, choice) pairs grouped by expert, each expert's run
     padded to whole blocks with the sentinel T·top_k; expert of each block, num_experts past the
     last). Fixed sizes, device ops only: no host sync."""
-    # in range whatever the ids hold: the compile-ahead's dry forwards launch no Triton kernel,
-    # so the routing's output is uninitialised there while these torch ops still run
+    # in range whatever the ids hold: a compile-ahead dry forward may skip the routing kernel
+    # (a variant not compiled yet), so its output is unwritten while these torch ops still run
     flat = ids.reshape(-1).long().clamp(0, num_experts - 1)
     pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    order, counts = group_by_expert(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts
     padded_end = torch.cumsum(padded, 0)
