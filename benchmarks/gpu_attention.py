@@ -1,9 +1,9 @@
 """Decode attention on one GPU: rollout/attention/triton_kernels/decode.py's launch configs
 (KV splits, keys per block, warps, pipeline stages) swept at the decode benchmark's shape
-(Qwen2-1.5B: 12 query heads, 2 KV heads, head_dim 128, bf16) for batches 1, 32 and 128 with
-the contexts of a 128 + 128 token run (129-256 keys; `--keys LO HI` for others, e.g. long
-contexts), over a token-granular paged pool whose slots are scattered as the allocator leaves
-them; `--configs` times a given list instead of the sweep.
+(Qwen2-1.5B: 12 query heads, 2 KV heads, head_dim 128, bf16; `--heads 16 8`: Qwen3-1.7B's)
+for batches 1, 32 and 128 with the contexts of a 128 + 128 token run (129-256 keys; `--keys LO
+HI` for others, e.g. long contexts), over a token-granular paged pool whose slots are scattered
+as the allocator leaves them; `--configs` times a given list instead of the sweep.
 
 Each time is a CUDA graph of one call per layer (28), each layer's KV in its own buffers (more
 than the L2 holds at batch 128), replayed and divided. Every config's output is checked against
@@ -115,15 +115,21 @@ def main() -> None:
                    help="keys a request, drawn uniformly (default: a 128 + 128 run's contexts)")
     p.add_argument("--configs", nargs="*", default=None, metavar="S,N,W,ST",
                    help="instead of the sweep: these configs (splits,block_n,warps,stages)")
+    p.add_argument("--heads", nargs=2, type=int, default=[HEADS, KV_HEADS], metavar=("Q", "KV"),
+                   help="query and KV heads (default Qwen2-1.5B's; Qwen3-1.7B: 16 8)")
     args = p.parse_args()
+    global HEADS, KV_HEADS
+    HEADS, KV_HEADS = args.heads
     from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
                                                           decode_buffers, decode_launch_config)
     deadline = time.perf_counter() + args.budget_s
     scale = HEAD_DIM ** -0.5
     gen = torch.Generator().manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "rows": [], "errors": []}
+    result = {"device": torch.cuda.get_device_name(), "heads": [HEADS, KV_HEADS], "rows": [],
+              "errors": []}
     grid = [DecodeConfig(s, bn, w, st) for s, bn, w, st in
-            itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8), (2, 3, 4))]
+            itertools.product((1, 2, 4, 8), (16, 32, 64, 128), (2, 4, 8), (2, 3, 4))]
+    grid += [c._replace(preload_kv=True) for c in grid if c.splits == 1]
     for batch, layout in itertools.product(args.batches, args.layouts):
         case = make_case(batch, gen, layout, tuple(args.keys))
         ref = reference(case, 0, scale)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_gemv import (SHAPES, rel_err, start_sweep, sweep_parser, time_per_call,
-                                 weight_copies, write_winners)
+                                 use_model, weight_copies, write_winners)
 
 
 KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "swap_ab")
@@ -41,12 +41,15 @@ def candidates(M: int, name: str = "") -> list[dict]:
     first = []
     if name == "down":  # K = 8,960: split it, or 96 programs of 64 x 32 leave SMs idle;
         # wide N tiles read x (M x 8,960) fewer times, the split makes up the programs
-        first = [(bm, n, k, w, st, sp, False) for n, sp in ((128, 10), (128, 7), (64, 5),
-                                                            (64, 7), (128, 14), (64, 4))
+        splits = (((128, 10), (128, 7), (64, 5), (64, 7), (128, 14), (64, 4))
+                  if SHAPES[name][1] == 8960 else  # Qwen3-1.7B's 6,144: 48 chunks of 128
+                  ((128, 6), (128, 8), (64, 4), (64, 6), (128, 12), (64, 3)))
+        first = [(bm, n, k, w, st, sp, False) for n, sp in splits
                  for k, w, st in ((128, 4, 4), (128, 8, 4), (64, 4, 6))]
     if name == "down" and M >= 128:  # the weight tile on wgmma's 64-row side, 128 x rows
-        first = [(bm, 64, 128, 4, 4, 5, True), (bm, 64, 64, 4, 6, 5, True),
-                 (64, 64, 128, 4, 4, 5, True), (bm, 128, 64, 8, 4, 7, True)] + first
+        sp = splits[2][1]
+        first = [(bm, 64, 128, 4, 4, sp, True), (bm, 64, 64, 4, 6, sp, True),
+                 (64, 64, 128, 4, 4, sp, True), (bm, 128, 64, 8, 4, splits[1][1], True)] + first
     elif name == "gate_up" and M >= 128:  # swapped A/B, then the rest of the ninth session's
         first = [(128, 64, 64, 4, 3, 1, True), (64, 64, 64, 4, 4, 1, True),
                  (64, 64, 128, 4, 3, 1, True), (128, 64, 64, 8, 3, 1, True),
@@ -183,7 +186,9 @@ def main() -> None:
     p.add_argument("--narrow", action="store_true",
                    help="sweep only the narrow-tile configs of qkv / o (against the table, cuBLAS)")
     args = p.parse_args()
+    use_model(args.model)
     result, copy_bw = start_sweep()
+    result["model"] = args.model
     print(f"{'shape':8} {'M':>3} | {'cuBLAS':>7} | {'table':>7} | {'TMA':>8} "
           f"{'x cuBLAS':>8} {'x table':>7}  best config (m, n, k, warps, stages, split, swap)")
     for M in args.rows:

@@ -25,13 +25,32 @@ import torch.nn.functional as F
 
 from benchmarks.cuda_timing import replay_seconds
 
-SHAPES = {  # name: (N weight rows, K, bias, gated)
-    "qkv": (2048, 1536, True, False),
-    "o": (1536, 1536, False, False),
-    "gate_up": (17920, 1536, False, True),
-    "down": (1536, 8960, False, False),
-    "lm_head": (151936, 1536, False, False),
+MODEL_SHAPES = {  # model: {name: (N weight rows, K, bias, gated)}
+    "qwen2-1.5b": {
+        "qkv": (2048, 1536, True, False),
+        "o": (1536, 1536, False, False),
+        "gate_up": (17920, 1536, False, True),
+        "down": (1536, 8960, False, False),
+        "lm_head": (151936, 1536, False, False),
+    },
+    "qwen3-1.7b": {  # 16 / 8 heads of 128 (no qkv bias), intermediate 6,144
+        "qkv": (4096, 2048, False, False),
+        "o": (2048, 2048, False, False),
+        "gate_up": (12288, 2048, False, True),
+        "down": (2048, 6144, False, False),
+        "lm_head": (151936, 2048, False, False),
+    },
 }
+SHAPES = dict(MODEL_SHAPES["qwen2-1.5b"])  # the swept model's (use_model)
+
+
+def use_model(model: str) -> None:
+    """Sweep `model`'s shapes: SHAPES is updated in place, so the scripts that imported it see
+    them."""
+    SHAPES.clear()
+    SHAPES.update(MODEL_SHAPES[model])
+
+
 ROWS = [1, 2, 4, 8, 16]
 SWEEP_ROWS = {1, 8, 16}  # the full sweep; M = 2, 4 get the default and a few alternatives
 CALLS = 50  # calls per captured graph
@@ -74,6 +93,8 @@ def sweep_parser(description: str, case_budget_s: float) -> argparse.ArgumentPar
     p.add_argument("--configs-out", default=None)
     p.add_argument("--case-budget-s", type=float, default=case_budget_s)
     p.add_argument("--min-gain", type=float, default=1.02, help="configs file: faster by this")
+    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="qwen2-1.5b",
+                   help="whose GEMM shapes (use_model)")
     return p
 
 
@@ -297,6 +318,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON file, rewritten after every case")
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="stop sweeping (defaults still run) after this many seconds")
+    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="qwen2-1.5b",
+                   help="whose GEMM shapes (use_model)")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--rows", nargs="*", type=int, default=ROWS)
     p.add_argument("--batch-rows", nargs="*", type=int, default=[32, 64, 128, 256],
@@ -308,6 +331,7 @@ def main() -> None:
                    help="JSON for gemv_launch.load_tuned / ROLLOUT_SKINNY_CONFIGS: the best config "
                         "per case, null where cuBLAS was faster")
     args = p.parse_args()
+    use_model(args.model)
     global SMALL_BATCH_SWEEP
     SMALL_BATCH_SWEEP = args.small_batches
     t0 = time.perf_counter()

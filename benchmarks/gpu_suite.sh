@@ -872,6 +872,14 @@ for stage in "$@"; do
               run "moe38r_$r" 150 python3 benchmarks/moe_decode.py --layers 12 --batch-sizes 1 128 \
                 --repeats 2 --skip-hf-generate $flag --out "$OUT/moe38r_$r.json"
             done ;;
+    # Qwen3-1.7B at decode batches: where the graph's time goes (PDL off), the decode attention's
+    # launch configs at its 16 / 8 heads, the TMA GEMM's tiles at its shapes
+    q39prof) run q39prof 200 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --shape qwen3-1.7b \
+              --batch-sizes 1 32 128 --out "$OUT/q39prof.json" ;;
+    q39attn) run q39attn 130 python3 benchmarks/gpu_attention.py --heads 16 8 --batches 32 128 \
+              --budget-s 90 --out "$OUT/q39attn.json" ;;
+    q39gemm) run q39gemm 230 python3 benchmarks/gpu_gemm_tma.py --model qwen3-1.7b --rows 128 64 \
+              --case-budget-s 18 --out "$OUT/q39gemm.json" --configs-out "$OUT/q39gemm_configs.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
