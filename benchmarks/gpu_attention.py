@@ -104,6 +104,7 @@ def rel_err(out, ref) -> float:
 
 
 def main() -> None:
+    global HEADS, KV_HEADS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=300.0)
@@ -118,7 +119,6 @@ def main() -> None:
     p.add_argument("--heads", nargs=2, type=int, default=[HEADS, KV_HEADS], metavar=("Q", "KV"),
                    help="query and KV heads (default Qwen2-1.5B's; Qwen3-1.7B: 16 8)")
     args = p.parse_args()
-    global HEADS, KV_HEADS
     HEADS, KV_HEADS = args.heads
     from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
                                                           decode_buffers, decode_launch_config)
