@@ -116,6 +116,8 @@ def main() -> None:
                    help="keys a request, drawn uniformly (default: a 128 + 128 run's contexts)")
     p.add_argument("--configs", nargs="*", default=None, metavar="S,N,W,ST",
                    help="instead of the sweep: these configs (splits,block_n,warps,stages)")
+    p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8],
+                   help="the sweep's KV splits")
     p.add_argument("--heads", nargs=2, type=int, default=[HEADS, KV_HEADS], metavar=("Q", "KV"),
                    help="query and KV heads (default Qwen2-1.5B's; Qwen3-1.7B: 16 8)")
     args = p.parse_args()
@@ -128,7 +130,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "heads": [HEADS, KV_HEADS], "rows": [],
               "errors": []}
     grid = [DecodeConfig(s, bn, w, st) for s, bn, w, st in
-            itertools.product((1, 2, 4, 8), (16, 32, 64, 128), (2, 4, 8), (2, 3, 4))]
+            itertools.product(args.splits, (16, 32, 64, 128), (2, 4, 8), (2, 3, 4))]
     grid += [c._replace(preload_kv=True) for c in grid if c.splits == 1]
     for batch, layout in itertools.product(args.batches, args.layouts):
         case = make_case(batch, gen, layout, tuple(args.keys))
