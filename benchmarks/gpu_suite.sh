@@ -880,8 +880,8 @@ for stage in "$@"; do
               --budget-s 90 --out "$OUT/q39attn.json" ;;
     q39gemm) run q39gemm 230 python3 benchmarks/gpu_gemm_tma.py --model qwen3-1.7b --rows 128 64 \
               --case-budget-s 18 --out "$OUT/q39gemm.json" --configs-out "$OUT/q39gemm_configs.json" ;;
-    q39attn128) run q39attn128 200 python3 benchmarks/gpu_attention.py --heads 16 8 --batches 128 \
-              --splits 1 2 --budget-s 150 --out "$OUT/q39attn128.json" ;;
+    q39attn128) run q39attn128 170 python3 benchmarks/gpu_attention.py --heads 16 8 --batches 128 \
+              --splits 1 2 --budget-s 120 --out "$OUT/q39attn128.json" ;;
     q39ab) run q39ab 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q39ab.json" ;;
