@@ -885,6 +885,11 @@ for stage in "$@"; do
     q39ab) run q39ab 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q39ab.json" ;;
+    q39spec) run q39spec 150 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_gemv.py \
+              -p no:cacheprovider -k "8_kv_heads or after_the_kernel_that_writes or decode_batch_entries or decode_batches" ;;
+    q39ab2) run q39ab2 390 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session_b.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --repeats 2 --timeout-s 120 \
+              --out "$OUT/q39ab2.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -328,6 +328,28 @@ def test_gpu_small_batch_entries(gated):
 
 
 @gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_decode_batch_entries(gated):
+    """Every entry of the table for decode batches (17-256 rows; Qwen2-1.5B's and Qwen3-1.7B's
+    shapes): within bf16 rounding of cuBLAS (+ SiLU when gated), at the rows the entry serves
+    from and to."""
+    tried = 0
+    for (m, n, k, g), cfg in triton_gemv._TUNED.items():
+        if not (m > 16 and g == gated and cfg is not None):
+            continue
+        w = rand(n, k, dtype=torch.bfloat16, seed=n + k) * k ** -0.5
+        for rows in (m // 2 + 1, m):
+            x = rand(rows, k, dtype=torch.bfloat16, seed=rows)
+            if gated:
+                out, ref = skinny_gate_up_silu(x, w, n // 2, cfg), ref_gate_up_silu(x, w, n // 2)
+            else:
+                out, ref = skinny_linear(x, w, config=cfg), F.linear(x, w)
+            assert rel_err(out, ref) <= 1e-2, (m, n, k, rows)
+            tried += 1
+    assert tried >= (4 if gated else 20)
+
+
+@gpu
 @pytest.mark.parametrize("name", ["qkv", "o", "down"])
 def test_gpu_bf16_decode_batches(name):
     """Decode batches on the M-tiled kernel, with the tuned config where there is one."""

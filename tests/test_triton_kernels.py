@@ -17,6 +17,7 @@ from rollout.attention.triton_backend import TritonBackend  # noqa: E402
 from rollout.attention.triton_kernels import decode, decode_attention, extend_attention  # noqa: E402
 from rollout.attention.triton_kernels.extend import ExtendConfig  # noqa: E402
 from rollout.batch_builder import build_batch  # noqa: E402
+from rollout.config import EngineConfig  # noqa: E402
 from rollout.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from tests.helpers import (DEV, RunnerDriver, eager_graph_capture, gpu, hf_last_logits,  # noqa: E402
                            hf_model, require_runnable_triton)
@@ -108,6 +109,7 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True,
                         prefetch_l2=True),
     decode.DecodeConfig(4, block_n=64, num_warps=2, num_stages=3, prefetch_l2=True),
+    decode.DecodeConfig(1, block_n=64, num_warps=2, num_stages=4),
     decode.DecodeConfig(8, block_n=256, num_warps=8, num_stages=2, per_head=True),
     decode.DecodeConfig(8, block_n=64, num_warps=4, num_stages=2, per_head=True),
     decode.DecodeConfig(1, block_n=64, num_warps=4, num_stages=2, per_head=True)])
@@ -310,6 +312,28 @@ def test_decode_launches_by_context_length():
                 == decode.decode_launch_config(batch))
 
 
+def test_decode_launches_by_kv_heads():
+    """Past 16 requests the launch follows the programs a split launches (requests x KV heads):
+    Qwen2-1.5B's 2 KV heads keep their measured table up to 256 requests, Qwen3-1.7B's 8 take
+    one split from 17 requests and 64-key blocks past 64, and each class edge is a CUDA-graph
+    size, so a batch and the graph it is padded to launch alike."""
+    one_split_128 = decode.DecodeConfig(1, 128, 4, 2, preload_kv=True)
+    one_split_64 = decode.DecodeConfig(1, 64, 2, 4)
+    qwen2 = {b: decode.decode_launch_config(b, kv_heads=2) for b in (17, 32, 33, 64, 65, 256)}
+    assert [c.splits for c in qwen2.values()] == [4, 4, 4, 4, 1, 1]
+    assert qwen2[65] == qwen2[256] == one_split_128
+    qwen3 = {b: decode.decode_launch_config(b, kv_heads=8) for b in (16, 17, 64, 65, 256)}
+    assert qwen3[16] == decode.decode_launch_config(16, kv_heads=2)  # few requests: unchanged
+    assert qwen3[17] == qwen3[64] == one_split_128
+    assert qwen3[65] == qwen3[256] == one_split_64
+    sizes = EngineConfig().graph_batch_sizes
+    for kv_heads in (1, 2, 4, 8):
+        for batch in range(1, 257):
+            graph = min(s for s in sizes if s >= batch)
+            assert (decode.decode_launch(batch, kv_heads=kv_heads)
+                    == decode.decode_launch(graph, kv_heads=kv_heads)), (kv_heads, batch, graph)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_kernel_equals_indexed_assignment(dtype):
     """The fused KV store writes exactly what `buf[loc] = x.to(buf.dtype)` writes, from strided
@@ -435,7 +459,8 @@ def backend_outputs(p: Paged, mode: ForwardMode, heads: int, head_dim: int, seed
     fb = batch_for(p, mode, ext)
     runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=p.req_to_token), device=DEV,
-        model_config=SimpleNamespace(num_attention_heads=heads, head_dim=head_dim),
+        model_config=SimpleNamespace(num_attention_heads=heads, head_dim=head_dim,
+                                     num_key_value_heads=p.k.shape[1]),
         tp=SimpleNamespace(size=1))
     layer = SimpleNamespace(layer_id=0, scaling=head_dim ** -0.5, num_heads=heads,
                             num_kv_heads=p.k.shape[1])
@@ -760,6 +785,20 @@ def test_bf16_backend_matches_torch_native(mode, head_dim):
     prefix = [n - 1 for n in lens] if mode.is_decode else [0, 100, 0, 500, 63, 1]
     p = make_paged(lens, prefix, kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16, seed=3)
     triton_out, native_out = backend_outputs(p, mode, heads=8, head_dim=head_dim)
+    assert rel_err(triton_out, native_out) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("batch", [32, 128])
+def test_bf16_backend_matches_torch_native_with_8_kv_heads(batch):
+    """Qwen3-1.7B's heads (16 query, 8 KV heads of 128): the launches the backend picks by
+    requests x KV heads (one split of 128-key blocks at 32 requests, of 64-key blocks at 128)
+    against torch_native, ragged contexts of 1-300 keys."""
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 301, (batch,), generator=gen).tolist()
+    p = make_paged(lens, [n - 1 for n in lens], kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                   seed=5)
+    triton_out, native_out = backend_outputs(p, ForwardMode.DECODE, heads=16, head_dim=128)
     assert rel_err(triton_out, native_out) <= 1e-2
 
 

@@ -53,6 +53,7 @@ class TritonBackend(AttentionBackend):
         mc = runner.model_config
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.num_heads = mc.num_attention_heads // runner.tp.size
+        self.num_kv_heads = mc.num_key_value_heads // runner.tp.size  # as the KV pool's
         self.head_dim = mc.head_dim
         self.device = runner.device
         # At most this many KV splits (the scratch's size); `decode_launch` picks per batch. The
@@ -118,7 +119,8 @@ class TritonBackend(AttentionBackend):
                 long = DecodeConfig(splits, block_n=16) if batch <= 2 else None
                 launch = DecodeLaunch(DecodeConfig(splits), long, long_above=17)
             else:
-                launch = decode_launch(batch, self.num_kv_splits, self.launch_table)
+                launch = decode_launch(batch, self.num_kv_splits, self.launch_table,
+                                       self.num_kv_heads)
             self.launches[batch] = launch
         return launch
 

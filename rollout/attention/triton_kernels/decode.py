@@ -278,19 +278,21 @@ def _parse_config(text: str) -> DecodeConfig:
 
 
 def decode_launch_config(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
-                         max_keys: int = 1) -> DecodeConfig:
+                         max_keys: int = 1, kv_heads: int = 2) -> DecodeConfig:
     """The launch config for a decode batch on a GPU whose longest context has `max_keys` keys
     (`decode_launch`)."""
-    return decode_launch(batch, max_splits, table).config(max_keys)
+    return decode_launch(batch, max_splits, table, kv_heads).config(max_keys)
 
 
-def decode_launch(batch: int, max_splits: int = 8,
-                  table: Optional[LaunchTable] = None) -> DecodeLaunch:
-    """The launches for a decode batch on a GPU (`DecodeLaunch`). Splits: many when few
-    requests must fill the GPU, few when the batch alone does (then more splits only add
-    programs and merge work). A function of coarse batch ranges whose edges (16, 64) are default
-    CUDA-graph sizes, so a batch and the graph it is padded to launch alike (graph replay ==
-    eager, bit for bit), and of the context class (`DecodeLaunch.launch_class`).
+def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
+                  kv_heads: int = 2) -> DecodeLaunch:
+    """The launches for a decode batch on a GPU (`DecodeLaunch`) of `kv_heads` KV heads (a
+    shard's). Splits: many when few requests must fill the GPU, few when the batch alone does
+    (then more splits only add programs and merge work). Past 16 requests, a function of the
+    programs a split launches (batch x KV heads, `_many_requests`). A function of coarse batch
+    ranges whose edges (16, 64, and 512 / kv_heads) are default CUDA-graph sizes for 1, 2, 4 or
+    8 KV heads, so a batch and the graph it is padded to launch alike (graph replay == eager,
+    bit for bit), and of the context class (`DecodeLaunch.launch_class`).
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
     8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
@@ -348,12 +350,25 @@ def decode_launch(batch: int, max_splits: int = 8,
     if batch <= 16:
         return DecodeLaunch(DecodeConfig(max_splits, num_stages=2, preload_kv=True),
                             DecodeConfig(max_splits, 128, 4, 3, True))
-    if batch <= 32:
-        return DecodeLaunch(DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2,
-                                         prefetch_l2=True))
-    if batch <= 64:
-        return DecodeLaunch(DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2))
-    return DecodeLaunch(DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True))
+    return DecodeLaunch(_many_requests(batch * kv_heads, max_splits))
+
+
+def _many_requests(programs: int, max_splits: int) -> DecodeConfig:
+    """The launch past 16 requests, by the programs a split launches (requests x KV heads).
+    Measured with Qwen2-1.5B's 2 KV heads (above) up to 256 requests, i.e. 512 programs, and
+    with Qwen3-1.7B's 8 (thirty-ninth session; `benchmarks/gpu_attention.py --heads 16 8`, µs a
+    call alone, `docs/figures/q39attn*_qwen3_h200.json`; in the engine,
+    `benchmarks/ab_thirtyninth_session*.json`): at 32 requests (256 programs) one split of
+    128-key blocks 11.11 against 14.75 for Qwen2's 4 splits of 64 (decode graph 1.9024 ->
+    1.8283 ms); at 128 requests (1,024 programs) one split of 64-key blocks, 2 warps 30.59
+    against 43.88 for 128-key blocks and 4 warps, which hold one program an SM."""
+    if programs <= 64:
+        return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2, prefetch_l2=True)
+    if programs <= 128:
+        return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
+    if programs <= 512:
+        return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)
+    return DecodeConfig(1, block_n=64, num_warps=2, num_stages=4)
 
 
 class DecodeScratch(NamedTuple):
