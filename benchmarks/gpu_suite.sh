@@ -890,6 +890,12 @@ for stage in "$@"; do
     q39ab2) run q39ab2 390 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session_b.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q39ab2.json" ;;
+    q39hf) run q39hf 300 python3 benchmarks/decode_throughput.py --shape qwen3-1.7b --device cuda \
+              --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out "$OUT/decode_qwen3_h200.json" ;;
+    q39q2) run q39q2 170 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session_c.json \
+              --shape qwen2-1.5b --rounds ${ROUNDS:-2} --batch-sizes 256 --repeats 2 --timeout-s 80 \
+              --out "$OUT/q39q2.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

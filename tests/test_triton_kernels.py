@@ -314,18 +314,19 @@ def test_decode_launches_by_context_length():
 
 def test_decode_launches_by_kv_heads():
     """Past 16 requests the launch follows the programs a split launches (requests x KV heads):
-    Qwen2-1.5B's 2 KV heads keep their measured table up to 256 requests, Qwen3-1.7B's 8 take
-    one split from 17 requests and 64-key blocks past 64, and each class edge is a CUDA-graph
-    size, so a batch and the graph it is padded to launch alike."""
+    Qwen2-1.5B's 2 KV heads keep their measured table up to 128 requests, Qwen3-1.7B's 8 take
+    one split of 128-key blocks at 17-32 requests and of 64-key blocks past 32 (as Qwen2's past
+    128), and each class edge is a CUDA-graph size, so a batch and the graph it is padded to
+    launch alike."""
     one_split_128 = decode.DecodeConfig(1, 128, 4, 2, preload_kv=True)
     one_split_64 = decode.DecodeConfig(1, 64, 2, 4)
-    qwen2 = {b: decode.decode_launch_config(b, kv_heads=2) for b in (17, 32, 33, 64, 65, 256)}
-    assert [c.splits for c in qwen2.values()] == [4, 4, 4, 4, 1, 1]
-    assert qwen2[65] == qwen2[256] == one_split_128
-    qwen3 = {b: decode.decode_launch_config(b, kv_heads=8) for b in (16, 17, 64, 65, 256)}
+    qwen2 = {b: decode.decode_launch_config(b, kv_heads=2) for b in (17, 32, 33, 64, 65, 128, 129)}
+    assert [c.splits for c in qwen2.values()] == [4, 4, 4, 4, 1, 1, 1]
+    assert qwen2[65] == qwen2[128] == one_split_128 and qwen2[129] == one_split_64
+    qwen3 = {b: decode.decode_launch_config(b, kv_heads=8) for b in (16, 17, 32, 33, 256)}
     assert qwen3[16] == decode.decode_launch_config(16, kv_heads=2)  # few requests: unchanged
-    assert qwen3[17] == qwen3[64] == one_split_128
-    assert qwen3[65] == qwen3[256] == one_split_64
+    assert qwen3[17] == qwen3[32] == one_split_128
+    assert qwen3[33] == qwen3[256] == one_split_64
     sizes = EngineConfig().graph_batch_sizes
     for kv_heads in (1, 2, 4, 8):
         for batch in range(1, 257):

@@ -290,8 +290,8 @@ def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] 
     shard's). Splits: many when few requests must fill the GPU, few when the batch alone does
     (then more splits only add programs and merge work). Past 16 requests, a function of the
     programs a split launches (batch x KV heads, `_many_requests`). A function of coarse batch
-    ranges whose edges (16, 64, and 512 / kv_heads) are default CUDA-graph sizes for 1, 2, 4 or
-    8 KV heads, so a batch and the graph it is padded to launch alike (graph replay == eager,
+    ranges whose edges (16, and 64, 128 or 256 over kv_heads) are default CUDA-graph sizes for
+    1, 2, 4 or 8 KV heads, so a batch and the graph it is padded to launch alike (graph replay == eager,
     bit for bit), and of the context class (`DecodeLaunch.launch_class`).
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
@@ -354,19 +354,22 @@ def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] 
 
 
 def _many_requests(programs: int, max_splits: int) -> DecodeConfig:
-    """The launch past 16 requests, by the programs a split launches (requests x KV heads).
-    Measured with Qwen2-1.5B's 2 KV heads (above) up to 256 requests, i.e. 512 programs, and
-    with Qwen3-1.7B's 8 (thirty-ninth session; `benchmarks/gpu_attention.py --heads 16 8`, µs a
-    call alone, `docs/figures/q39attn*_qwen3_h200.json`; in the engine,
-    `benchmarks/ab_thirtyninth_session*.json`): at 32 requests (256 programs) one split of
-    128-key blocks 11.11 against 14.75 for Qwen2's 4 splits of 64 (decode graph 1.9024 ->
-    1.8283 ms); at 128 requests (1,024 programs) one split of 64-key blocks, 2 warps 30.59
-    against 43.88 for 128-key blocks and 4 warps, which hold one program an SM."""
+    """The launch past 16 requests, by the programs a split launches (requests x KV heads: a
+    program's work does not depend on the query heads of its KV head, padded to 16 rows
+    anyway). Measured with Qwen2-1.5B's 2 KV heads (above) up to 128 requests, i.e. 256
+    programs, and with Qwen3-1.7B's 8 (thirty-ninth session; `benchmarks/gpu_attention.py
+    --heads 16 8`, µs a call alone, `docs/figures/q39attn*_qwen3_h200.json`; in the engine,
+    `benchmarks/ab_thirtyninth_session*.json`, decode graph ms). 32 requests (256 programs): one
+    split of 128-key blocks 11.11 against 14.75 for Qwen2's 4 splits of 64 keys, graph 1.9105 ->
+    1.8396. 128 requests (1,024 programs): one split of 64-key blocks and 2 warps 30.59 against
+    43.88 for 128-key blocks and 4 warps (whose two stages of keys and values, 128 KB, hold one
+    program an SM), graph 2.6007 -> 2.2868; 64 requests (512 programs) 2.0167 -> 1.8961. Past
+    256 programs the 64-key blocks therefore serve Qwen2's heads too (129-256 requests)."""
     if programs <= 64:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2, prefetch_l2=True)
     if programs <= 128:
         return DecodeConfig(min(max_splits, 4), block_n=64, num_warps=2)
-    if programs <= 512:
+    if programs <= 256:
         return DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True)
     return DecodeConfig(1, block_n=64, num_warps=2, num_stages=4)
 
