@@ -896,6 +896,8 @@ for stage in "$@"; do
     q39q2) run q39q2 170 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session_c.json \
               --shape qwen2-1.5b --rounds ${ROUNDS:-2} --batch-sizes 256 --repeats 2 --timeout-s 80 \
               --out "$OUT/q39q2.json" ;;
+    q39gemv1) run q39gemv1 170 python3 benchmarks/gpu_gemv.py --model qwen3-1.7b --rows 1 --batch-rows \
+              --budget-s 110 --out "$OUT/q39gemv1.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
