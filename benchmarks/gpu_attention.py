@@ -137,7 +137,8 @@ def main() -> None:
         ref = reference(case, 0, scale)
         bufs = decode_buffers(batch, HEADS, HEAD_DIM, 8, "cuda")
         out = torch.empty_like(case["q"])
-        current = decode_launch_config(batch, max_keys=max(case["lens_cpu"]))  # the engine's
+        current = decode_launch_config(batch, max_keys=max(case["lens_cpu"]),  # the engine's
+                                       kv_heads=KV_HEADS)
         if args.configs is not None:
             grid = [DecodeConfig(*map(int, c.split(","))) for c in args.configs]
         configs = [current] + ([] if args.current_only else [c for c in grid if c != current])

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_attention import HEAD_DIM, HEADS, make_case
+from benchmarks.gpu_attention import HEAD_DIM, HEADS, KV_HEADS, make_case
 from rollout.attention.triton_kernels.decode import (DecodeConfig, decode_attention,
                                                       decode_buffers, decode_launch_config)
 from rollout.layers import triton_gemv
@@ -57,7 +57,7 @@ def main() -> None:
         "o_table": lambda: skinny_linear(x, w_o),
         "down_cublas": lambda: F.linear(x_inter, w_down),
         "down_table": lambda: skinny_linear(x_inter, w_down),
-        "attention_table": lambda: attention(decode_launch_config(m)),
+        "attention_table": lambda: attention(decode_launch_config(m, kv_heads=KV_HEADS)),
     }
     if m > 16:  # the candidate for decode batches (one row runs the FMA kernels)
         calls["down_tma_split5_swapped"] = lambda: skinny_linear(x_inter, w_down, config=DOWN_TMA)

@@ -252,37 +252,37 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     a malformed one is refused with the entry named."""
     monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
     assert decode.launch_table_from_env() is None
-    assert decode.decode_launch_config(1) == decode.DecodeConfig(8, num_stages=2, preload_kv=True)
+    assert decode.decode_launch_config(1, kv_heads=2) == decode.DecodeConfig(8, num_stages=2,
+                                                                             preload_kv=True)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     table = decode.launch_table_from_env()
-    assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(4, 64, 4, 2)
-    assert decode.decode_launch_config(16, table=table) == decode.DecodeConfig(4, 64, 4, 2)
-    assert decode.decode_launch_config(17, table=table) == decode.DecodeConfig(1, 64, 2, 3)
-    assert decode.decode_launch_config(512, table=table) == decode.DecodeConfig(1, 64, 2, 3)
-    assert decode.decode_launch_config(8, max_splits=2, table=table).splits == 2
+    configs = [decode.decode_launch_config(b, table=table, kv_heads=2) for b in (1, 16, 17, 512)]
+    assert configs == [decode.DecodeConfig(4, 64, 4, 2)] * 2 + [decode.DecodeConfig(1, 64, 2, 3)] * 2
+    assert decode.decode_launch_config(8, max_splits=2, table=table, kv_heads=2).splits == 2
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:8,32,4,2,1;256:1,128,4,2,0")
     table = decode.launch_table_from_env()
-    assert decode.decode_launch_config(1, table=table) == decode.DecodeConfig(8, 32, 4, 2, True)
-    assert decode.decode_launch_config(128, table=table).preload_kv is False
+    assert (decode.decode_launch_config(1, table=table, kv_heads=2)
+            == decode.DecodeConfig(8, 32, 4, 2, True))
+    assert decode.decode_launch_config(128, table=table, kv_heads=2).preload_kv is False
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "1:1,256,16,2,1,1;256:1,128,4,2,1")
     table = decode.launch_table_from_env()
-    assert decode.decode_launch_config(1, table=table).per_head is True
-    assert decode.decode_launch_config(2, table=table).per_head is False
+    assert decode.decode_launch_config(1, table=table, kv_heads=2).per_head is True
+    assert decode.decode_launch_config(2, table=table, kv_heads=2).per_head is False
     # a long-context config after '|': past 257 keys
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "2:8,32,4,2,1|16,256,8,2,1,1;256:1,128,4,2,1")
     table = decode.launch_table_from_env()
-    launch = decode.decode_launch(2, max_splits=8, table=table)
+    launch = decode.decode_launch(2, max_splits=8, table=table, kv_heads=2)
     assert launch.long == decode.DecodeConfig(8, 256, 8, 2, True, True)  # capped at 8 splits
     assert launch.launch_classes() == (1, 258)
-    assert decode.decode_launch_config(1, table=table, max_keys=257).per_head is False
-    assert decode.decode_launch_config(1, table=table, max_keys=258).per_head is True
-    assert decode.decode_launch(3, table=table).launch_classes() == (1,)
+    assert decode.decode_launch_config(1, table=table, max_keys=257, kv_heads=2).per_head is False
+    assert decode.decode_launch_config(1, table=table, max_keys=258, kv_heads=2).per_head is True
+    assert decode.decode_launch(3, table=table, kv_heads=2).launch_classes() == (1,)
     # the L2 prefetch flag, seventh
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "64:4,64,2,3;256:1,128,4,2,1,0,1")
     table = decode.launch_table_from_env()
-    assert decode.decode_launch_config(128, table=table) == decode.DecodeConfig(
+    assert decode.decode_launch_config(128, table=table, kv_heads=2) == decode.DecodeConfig(
         1, 128, 4, 2, True, False, True)
-    assert decode.decode_launch_config(32, table=table).prefetch_l2 is False
+    assert decode.decode_launch_config(32, table=table, kv_heads=2).prefetch_l2 is False
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
                 "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,2", "16:8,32,4,2,1,1,1,1",
                 "2:8,32,4,2,1|8,256,8,2,2",
@@ -296,20 +296,20 @@ def test_decode_launches_by_context_length():
     """The built-in table past 257 keys: 8 splits of 128-key blocks up to 16 requests; from 17
     requests on one launch whatever the context."""
     for batch in (1, 2, 16):
-        launch = decode.decode_launch(batch)
+        launch = decode.decode_launch(batch, kv_heads=2)
         assert launch.launch_classes() == (1, 258)
-        assert decode.decode_launch_config(batch, max_keys=257) == launch.short
-        long = decode.decode_launch_config(batch, max_keys=258)
+        assert decode.decode_launch_config(batch, max_keys=257, kv_heads=2) == launch.short
+        long = decode.decode_launch_config(batch, max_keys=258, kv_heads=2)
         assert long == decode.DecodeConfig(8, 128, 4, 3, True)
-    assert decode.decode_launch(2, max_splits=2).long.splits == 2
+    assert decode.decode_launch(2, max_splits=2, kv_heads=2).long.splits == 2
     # the L2 prefetch of the context before the PDL wait: 17-32 requests only (a CUDA-graph
     # size edge: a batch and the graph it is padded to launch alike)
-    assert [decode.decode_launch_config(b).prefetch_l2 for b in (16, 17, 32, 33, 64, 128)] == [
-        False, True, True, False, False, False]
+    assert [decode.decode_launch_config(b, kv_heads=2).prefetch_l2
+            for b in (16, 17, 32, 33, 64, 128)] == [False, True, True, False, False, False]
     for batch in (17, 32, 64, 128, 256):
-        assert decode.decode_launch(batch).launch_classes() == (1,)
-        assert (decode.decode_launch_config(batch, max_keys=10 ** 5)
-                == decode.decode_launch_config(batch))
+        assert decode.decode_launch(batch, kv_heads=2).launch_classes() == (1,)
+        assert (decode.decode_launch_config(batch, max_keys=10 ** 5, kv_heads=2)
+                == decode.decode_launch_config(batch, kv_heads=2))
 
 
 def test_decode_launches_by_kv_heads():

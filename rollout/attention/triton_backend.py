@@ -120,7 +120,7 @@ class TritonBackend(AttentionBackend):
                 launch = DecodeLaunch(DecodeConfig(splits), long, long_above=17)
             else:
                 launch = decode_launch(batch, self.num_kv_splits, self.launch_table,
-                                       self.num_kv_heads)
+                                       kv_heads=self.num_kv_heads)
             self.launches[batch] = launch
         return launch
 

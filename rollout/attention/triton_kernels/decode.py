@@ -278,14 +278,14 @@ def _parse_config(text: str) -> DecodeConfig:
 
 
 def decode_launch_config(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
-                         max_keys: int = 1, kv_heads: int = 2) -> DecodeConfig:
+                         max_keys: int = 1, *, kv_heads: int) -> DecodeConfig:
     """The launch config for a decode batch on a GPU whose longest context has `max_keys` keys
     (`decode_launch`)."""
-    return decode_launch(batch, max_splits, table, kv_heads).config(max_keys)
+    return decode_launch(batch, max_splits, table, kv_heads=kv_heads).config(max_keys)
 
 
-def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
-                  kv_heads: int = 2) -> DecodeLaunch:
+def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None, *,
+                  kv_heads: int) -> DecodeLaunch:
     """The launches for a decode batch on a GPU (`DecodeLaunch`) of `kv_heads` KV heads (a
     shard's). Splits: many when few requests must fill the GPU, few when the batch alone does
     (then more splits only add programs and merge work). Past 16 requests, a function of the
