@@ -173,21 +173,6 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # and the pipelined LM head, batch-1 decode graph 1.4453 -> 1.2081 ms, 682 -> 805 tok/s.
     # 17-32 rows: qkv, o and down on the TMA kernel, split along K, batch-32 graph 1.9222 ->
     # 1.8811 ms. The same at 128 rows lost (2.7919 -> 2.8918).
-    # 33-128 rows (thirty-ninth session): the TMA tiles swept at these shapes (`gpu_gemm_tma.py
-    # --model qwen3-1.7b`, µs a call alone, cuBLAS in brackets; docs/figures/
-    # q39gemm_qwen3_h200.json). 128 rows: qkv 7.25 [7.61], o 5.70 [6.55], down split in 4 with
-    # swapped A/B 11.02 [12.45, + its split-K reduce]; gate/up stays on cuBLAS + SiLU (18.55
-    # [19.30 tiled]). In the engine (benchmarks/ab_thirtyninth_session.json) the batch-128 decode
-    # graph 2.7999 -> 2.5948 ms (+5.2% tok/s). 64 rows: qkv 6.46 [7.07], o 5.41 [6.15], down
-    # split in 4 9.56 [11.18], gate/up + SiLU 17.01 [17.38].
-    (64, 4096, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
-    (64, 2048, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
-    (64, 12288, 2048, True): Config(32, 128, 1, 4, True, 3, 64, tma=True),
-    (64, 2048, 6144, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
-    (128, 4096, 2048, False): Config(64, 128, 1, 4, True, 5, 64, tma=True),
-    (128, 2048, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
-    (128, 12288, 2048, True): None,
-    (128, 2048, 6144, False): Config(64, 128, 4, 4, True, 4, 128, tma=True, swap_ab=True),
     (1, 4096, 2048, False): Config(2, 512, 1, 4, False, 3, preload=3),
     (1, 2048, 2048, False): Config(2, 512, 1, 2, False, 3, preload=3),
     (1, 12288, 2048, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
@@ -196,6 +181,22 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (32, 4096, 2048, False): _TMA_QKV_O._replace(split_k=2),
     (32, 2048, 2048, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
     (32, 2048, 6144, False): Config(128, 128, 6, 4, True, 4, 64, tma=True),
+    # 33-128 rows (thirty-ninth session): the TMA tiles swept at these shapes (`gpu_gemm_tma.py
+    # --model qwen3-1.7b`, µs a call alone, cuBLAS in brackets; docs/figures/
+    # q39gemm_qwen3_h200.json). 128 rows: qkv 7.25 [7.61], o 5.70 [6.55], down split in 4 with
+    # swapped A/B 11.02 [12.45, + its split-K reduce]; gate/up stays on cuBLAS + SiLU (18.55
+    # [19.30 tiled]). In the engine (benchmarks/ab_thirtyninth_session.json) the batch-128 decode
+    # graph 2.7999 -> 2.5948 ms (+5.2% tok/s). 64 rows: qkv 6.46 [7.07], o 5.41 [6.15], down
+    # split in 4 9.56 [11.18], gate/up + SiLU 17.01 [17.38]; in the engine
+    # (ab_thirtyninth_session_b.json) the batch-64 graph 2.2785 -> 2.0116 ms.
+    (64, 4096, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
+    (64, 2048, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
+    (64, 12288, 2048, True): Config(32, 128, 1, 4, True, 3, 64, tma=True),
+    (64, 2048, 6144, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
+    (128, 4096, 2048, False): Config(64, 128, 1, 4, True, 5, 64, tma=True),
+    (128, 2048, 2048, False): Config(32, 128, 1, 4, True, 6, 64, tma=True),
+    (128, 12288, 2048, True): None,
+    (128, 2048, 6144, False): Config(64, 128, 4, 4, True, 4, 128, tma=True, swap_ab=True),
 }
 
 

@@ -291,8 +291,8 @@ def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] 
     (then more splits only add programs and merge work). Past 16 requests, a function of the
     programs a split launches (batch x KV heads, `_many_requests`). A function of coarse batch
     ranges whose edges (16, and 64, 128 or 256 over kv_heads) are default CUDA-graph sizes for
-    1, 2, 4 or 8 KV heads, so a batch and the graph it is padded to launch alike (graph replay == eager,
-    bit for bit), and of the context class (`DecodeLaunch.launch_class`).
+    1, 2, 4 or 8 KV heads, so a batch and the graph it is padded to launch alike (graph replay
+    == eager, bit for bit), and of the context class (`DecodeLaunch.launch_class`).
     Keys per block and warps from `benchmarks/gpu_attention.py` (H200, Qwen2-1.5B heads, 129-256
     keys; µs per call, split and merge kernels): batch 1 4.62 (the defaults were best), batch 32
     8.46 → 7.43, batch 128 15.26 → 13.84. In the engine (under PDL) batch 1 prefers two stages:
