@@ -886,7 +886,7 @@ for stage in "$@"; do
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q39ab.json" ;;
     q39spec) run q39spec 150 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_gemv.py \
-              -p no:cacheprovider -k "8_kv_heads or after_the_kernel_that_writes or decode_batch_entries or decode_batches" ;;
+              -p no:cacheprovider -k "kv_heads or after_the_kernel_that_writes or decode_batch_entries or decode_batches" ;;
     q39ab2) run q39ab2 390 python3 benchmarks/engine_ab.py --variants benchmarks/ab_thirtyninth_session_b.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 32 64 128 --repeats 2 --timeout-s 120 \
               --out "$OUT/q39ab2.json" ;;
@@ -898,6 +898,11 @@ for stage in "$@"; do
               --out "$OUT/q39q2.json" ;;
     q39gemv1) run q39gemv1 170 python3 benchmarks/gpu_gemv.py --model qwen3-1.7b --rows 1 --batch-rows \
               --budget-s 110 --out "$OUT/q39gemv1.json" ;;
+    q40spec) run q40spec 170 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py \
+              tests/test_triton_kernels.py -p no:cacheprovider -k "qwen3 or shapes or kv_heads or fold" ;;
+    q40ab) run q40ab 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 \
+              --out "$OUT/q40ab.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -790,16 +790,19 @@ def test_bf16_backend_matches_torch_native(mode, head_dim):
 
 
 @gpu
-@pytest.mark.parametrize("batch", [32, 128])
-def test_bf16_backend_matches_torch_native_with_8_kv_heads(batch):
-    """Qwen3-1.7B's heads (16 query, 8 KV heads of 128): the launches the backend picks by
-    requests x KV heads (one split of 128-key blocks at 32 requests, of 64-key blocks at 128)
-    against torch_native, ragged contexts of 1-300 keys."""
+@pytest.mark.parametrize("batch,heads,kv_heads", [(32, 16, 8), (128, 16, 8), (17, 32, 4),
+                                                  (32, 32, 4), (64, 32, 4), (128, 32, 4)])
+def test_bf16_backend_matches_torch_native_with_qwen3_kv_heads(batch, heads, kv_heads):
+    """Qwen3-1.7B's heads (16 query, 8 KV heads of 128) and Qwen3-30B-A3B's (32 / 4): the
+    launches the backend picks by requests x KV heads (Qwen3-1.7B: one split of 128-key blocks
+    at 32 requests, of 64-key blocks at 128; Qwen3-30B-A3B: four splits of 64-key blocks at
+    17 and 32 requests, one split of 128-key blocks at 64, of 64-key blocks at 128) against
+    torch_native, ragged contexts of 1-300 keys."""
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, 301, (batch,), generator=gen).tolist()
-    p = make_paged(lens, [n - 1 for n in lens], kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                   seed=5)
-    triton_out, native_out = backend_outputs(p, ForwardMode.DECODE, heads=16, head_dim=128)
+    p = make_paged(lens, [n - 1 for n in lens], kv_heads=kv_heads, head_dim=128,
+                   dtype=torch.bfloat16, seed=5)
+    triton_out, native_out = backend_outputs(p, ForwardMode.DECODE, heads=heads, head_dim=128)
     assert rel_err(triton_out, native_out) <= 1e-2
 
 
