@@ -906,6 +906,9 @@ for stage in "$@"; do
     q40q2) run q40q2 200 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_b.json \
               --shape qwen2-1.5b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 80 \
               --out "$OUT/q40q2.json" ;;
+    q40ab2) run q40ab2 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_c.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 80 \
+              --out "$OUT/q40ab2.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
