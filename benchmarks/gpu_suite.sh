@@ -909,6 +909,18 @@ for stage in "$@"; do
     q40ab2) run q40ab2 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_c.json \
               --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 80 \
               --out "$OUT/q40ab2.json" ;;
+    q40ab3) run q40ab3 170 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_d.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-3} --batch-sizes 1 --repeats 2 --timeout-s 80 \
+              --out "$OUT/q40ab3.json" ;;
+    q40spec2) run q40spec2 150 python3 -m pytest -q -m gpu tests/test_triton_gemv.py \
+              tests/test_triton_norm_qkv_rope.py -p no:cacheprovider -k "one_row_entries or qwen3 or fold" ;;
+    # the Qwen3 decode table, the fold set as q40ab3 (run before it) measured it faster
+    q40hf) fold=$(python3 -c "import json; s = json.load(open('$OUT/q40ab3.json'))['summary']; \
+print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_replay_ms'] else '0')" \
+              2>/dev/null || echo 2,4); echo "ROLLOUT_FUSED_NORM_QKV=$fold"
+           ROLLOUT_FUSED_NORM_QKV=$fold run q40hf 300 python3 benchmarks/decode_throughput.py \
+              --shape qwen3-1.7b --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 \
+              --new-tokens 128 --repeats 2 --out "$OUT/decode_qwen3_h200.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -329,6 +329,26 @@ def test_gpu_small_batch_entries(gated):
 
 @gpu
 @pytest.mark.parametrize("gated", [False, True])
+def test_gpu_one_row_entries(gated):
+    """Every one-row entry of the table (Qwen2-1.5B's and Qwen3-1.7B's shapes, the LM heads
+    included): within bf16 rounding of cuBLAS (+ SiLU when gated)."""
+    tried = 0
+    for (m, n, k, g), cfg in triton_gemv._TUNED.items():
+        if not (m == 1 and g == gated and cfg is not None):
+            continue
+        w = rand(n, k, dtype=torch.bfloat16, seed=n + k) * k ** -0.5
+        x = rand(1, k, dtype=torch.bfloat16, seed=k)
+        if gated:
+            out, ref = skinny_gate_up_silu(x, w, n // 2, cfg), ref_gate_up_silu(x, w, n // 2)
+        else:
+            out, ref = skinny_linear(x, w, config=cfg), F.linear(x, w)
+        assert rel_err(out, ref) <= 1e-2, (n, k, cfg)
+        tried += 1
+    assert tried >= (2 if gated else 8)
+
+
+@gpu
+@pytest.mark.parametrize("gated", [False, True])
 def test_gpu_decode_batch_entries(gated):
     """Every entry of the table for decode batches (17-256 rows; Qwen2-1.5B's and Qwen3-1.7B's
     shapes): within bf16 rounding of cuBLAS (+ SiLU when gated), at the rows the entry serves

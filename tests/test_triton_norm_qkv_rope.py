@@ -13,10 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout.layers import triton_norm_qkv_rope, triton_ops  # noqa: E402
+from rollout.layers import triton_gemv, triton_norm_qkv_rope, triton_ops  # noqa: E402
 from rollout.layers.split_sum import SplitSum  # noqa: E402
 from rollout.layers.triton_gemv import Config  # noqa: E402
-from rollout.layers.triton_norm_qkv_rope import NormQKVConfig, applies, norm_qkv_rope  # noqa: E402
+from rollout.layers.triton_norm_qkv_rope import (NormQKVConfig, applies, norm_qkv,  # noqa: E402
+                                                 norm_qkv_rope)
 from rollout.layers.triton_qkv_rope import QKVHeads, qkv_rope  # noqa: E402
 from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
 from tests.test_triton_qkv_rope import SLOTS, kv_buffers, rand  # noqa: E402
@@ -71,6 +72,7 @@ def fused(h, residual, norm_w, w, b, cos, sin, loc, heads, cfg: NormQKVConfig, d
 def assert_close(got, expected, dtype):
     assert torch.equal(got[0], expected[0]), "new residual"
     for g, e, name in zip(got[1:], expected[1:], ("qkv", "k buffer", "v buffer")):
+        assert not g.isnan().any(), f"{name}: not every element written"
         if dtype == torch.float32:
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=name)
         else:  # an element of the normed row may flip by an ulp, moving a few outputs by one
@@ -98,6 +100,36 @@ def test_equals_add_norm_then_qkv_rope(dtype, k, split, bias, pairs):
     kb, vb = kv_buffers(heads, dtype)
     changed = (got[2] != kb).flatten(1).any(1) | (got[3] != vb).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == args[-1].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,split,bias,pairs", [
+    (64, 2, False, 1),   # one K chunk, split-K partials
+    (96, 1, True, 2),    # three chunks of 32, a plain branch output
+    (128, 3, False, 4),  # two chunks of 64, three partials, a half's rows a program
+])
+def test_without_rotary_equals_add_norm_then_the_gemv(dtype, k, split, bias, pairs):
+    """`norm_qkv` (Qwen3's fold: its q/k norms come before the rotary, in the kernel after):
+    the new residual and qkv as the norm kernel and then the plain GEMV with the same rows a
+    program write them, every column written, and nothing rotated or stored in the KV cache."""
+    heads = QKVHeads(q=3, kv=2, dim=16)
+    cfg = NormQKVConfig(pairs, 1)
+    h, residual, norm_w, w, b, *_ = case(heads, k, dtype, split, bias, seed=k + pairs)
+    if isinstance(h, SplitSum):
+        x, expected_residual = triton_ops.split_add_rms_norm(h, residual, norm_w, EPS)
+    else:
+        x, expected_residual = triton_ops.fused_add_rms_norm(h, residual, norm_w, EPS)
+    block_k, chunks = triton_norm_qkv_rope.row_chunks(k)
+    expected = triton_gemv.skinny_linear(x, w, b, config=Config(2 * pairs, block_k,
+                                                                preload=chunks))
+    out = torch.full((1, w.shape[0]), float("nan"), dtype=dtype, device=DEV)
+    new_residual = norm_qkv(h, residual, norm_w, EPS, w, b, heads, out, cfg)
+    assert_close((new_residual, out), (expected_residual, expected), dtype)
+    rotated = qkv_rope(x, w, b, *rope(1, heads.dim, dtype, seed=3), heads,
+                       triton_ops.KVStore(None, torch.tensor([1], device=DEV),
+                                          *kv_buffers(heads, dtype)),
+                       Config(2 * pairs, block_k, preload=chunks))
+    assert not torch.equal(rotated, out)  # the rotary would have changed q and k
 
 
 def test_applies_only_where_the_kernel_can_hold_the_row():
@@ -189,6 +221,33 @@ def test_gpu_model_logits_with_the_fold_equal_those_without(tmp_path, monkeypatc
     real = triton_norm_qkv_rope.norm_qkv_rope
     monkeypatch.setattr(triton_norm_qkv_rope, "norm_qkv_rope",
                         lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", NormQKVConfig(2, 4))
+    with_fold = decode_logits(path, 1, graph)
+    assert calls, "the fold never ran"
+    torch.testing.assert_close(with_fold.float(), without.float(), rtol=0.02, atol=0.02)
+    assert with_fold.argmax(-1).equal(without.argmax(-1))
+    print("logits equal:", torch.equal(with_fold, without))
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_qwen3_logits_with_the_fold_equal_those_without(tmp_path, monkeypatch, graph):
+    """Qwen3-1.7B's shapes (random bf16 weights, two layers, q/k norms, no qkv bias): its one-row
+    decode logits, eager and from the decode CUDA graph, with the second layer's add + norm
+    folded into its qkv GEMV (`norm_qkv`, the q/k norms and rotary in the kernel after) are
+    those of the engine's separate kernels, within the rounding an ulp of the normed row can
+    move; and the fold ran."""
+    from rollout.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.test_split_sum import decode_logits
+    spec = TinyModelSpec(architecture="Qwen3ForCausalLM", hidden_size=2048,
+                         intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, dtype="bfloat16")
+    path = str(make_tiny_model(tmp_path / "m", spec))
+    monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", None)
+    without = decode_logits(path, 1, graph)
+    calls = []
+    real = triton_norm_qkv_rope.norm_qkv
+    monkeypatch.setattr(triton_norm_qkv_rope, "norm_qkv", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", NormQKVConfig(2, 4))
     with_fold = decode_logits(path, 1, graph)
     assert calls, "the fold never ran"

@@ -173,10 +173,17 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # and the pipelined LM head, batch-1 decode graph 1.4453 -> 1.2081 ms, 682 -> 805 tok/s.
     # 17-32 rows: qkv, o and down on the TMA kernel, split along K, batch-32 graph 1.9222 ->
     # 1.8811 ms. The same at 128 rows lost (2.7919 -> 2.8918).
-    (1, 4096, 2048, False): Config(2, 512, 1, 4, False, 3, preload=3),
+    # Fortieth session, in the engine (benchmarks/ab_fortieth_session*.json, two rounds each):
+    # down in K chunks of 1,024 unsplit, three before the PDL wait (the thirty-ninth session's
+    # one-row sweep, q39gemv1, alone 7.27 µs vs 10.86 for the Qwen2 analogue's 2 splits of
+    # chunks of 512): batch-1 decode graph 1.2168 -> 1.1112 ms (one chunk early 1.1262, two
+    # 1.1448 vs three 1.1455 in the next A/B, split in 2 1.1698); then qkv on the sweep's tiles
+    # (4 rows a program, one chunk of 1,024 early, 2 warps; alone 4.65 vs 6.32 µs) 1.1455 ->
+    # 1.1148 (two chunks early 1.1269). o in chunks of 1,024 lost (1.2168 -> 1.2263).
+    (1, 4096, 2048, False): Config(4, 1024, 1, 2, False, 3, preload=1),
     (1, 2048, 2048, False): Config(2, 512, 1, 2, False, 3, preload=3),
     (1, 12288, 2048, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
-    (1, 2048, 6144, False): Config(2, 512, 2, 4, False, 3, preload=3, lookahead=True),
+    (1, 2048, 6144, False): Config(2, 1024, 1, 4, False, 3, preload=3, lookahead=True),
     (1, 151936, 2048, False): Config(8, 512, 1, 4, False, 3, pipeline=3),
     (32, 4096, 2048, False): _TMA_QKV_O._replace(split_k=2),
     (32, 2048, 2048, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),

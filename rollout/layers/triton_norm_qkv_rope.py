@@ -8,7 +8,9 @@ weights long loaded, read that row. Here every qkv program does the norm itself 
 weight rows by it, so one completion and one round trip of the row through memory leave the
 chain. The fifth session's fold into every GEMV program lost (4,480 gate/up programs re-reading
 the row while their weights streamed); here the weights are loaded before the PDL wait and the
-programs are few (a config of several rotation pairs a program).
+programs are few (a config of several rotation pairs a program). `norm_qkv` is the same kernel
+without its rotary epilogue, for Qwen3, whose q/k norms come between qkv and the rotary (they
+stay in the rotary kernel after it).
 
 Rounding: the norm kernel's (`triton_ops._rms_norm_kernel`: partials summed in split order and
 rounded, the residual added and rounded, fp32 mean of squares, rsqrt, two roundings), but the
@@ -90,7 +92,7 @@ def _norm_qkv_rope_kernel(
     stride_split, stride_ct, stride_st, stride_kb, stride_vb,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr, COMPILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     per_head = HALF // PAIRS
@@ -101,7 +103,8 @@ def _norm_qkv_rope_kernel(
     offs_m = tl.arange(0, 1)
     offs_d = d0 + tl.arange(0, PAIRS)
     kk = tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BK]: the row's chunk, as x in the GEMV
-    cos, sin, slot = _step_inputs(Cos, Sin, Loc, offs_m, offs_d, stride_ct, stride_st)
+    if ROPE:
+        cos, sin, slot = _step_inputs(Cos, Sin, Loc, offs_m, offs_d, stride_ct, stride_st)
     if HAS_BIAS:
         bias = tl.load(Bias + rows_n).to(tl.float32)
     # weights (qkv's and the norm's): no earlier kernel's output, loaded before the wait
@@ -143,9 +146,13 @@ def _norm_qkv_rope_kernel(
     acc = tl.sum(acc, axis=2)  # [1, 2·PAIRS]
     if HAS_BIAS:
         acc += bias[None, :]
-    x1, x2 = tl.split(tl.reshape(_round(acc, Y.dtype.element_ty, COMPILED), [1, PAIRS, 2]))
-    _rotate_and_store(x1, x2, cos, sin, slot, offs_m, 1, head, offs_d, Y, KBuf, VBuf, 0,
-                      stride_kb, stride_vb, Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
+    out = _round(acc, Y.dtype.element_ty, COMPILED)
+    if ROPE:
+        x1, x2 = tl.split(tl.reshape(out, [1, PAIRS, 2]))
+        _rotate_and_store(x1, x2, cos, sin, slot, offs_m, 1, head, offs_d, Y, KBuf, VBuf, 0,
+                          stride_kb, stride_vb, Q_HEADS, KV_HEADS, HEAD_DIM, COMPILED)
+    else:  # qkv as the plain GEMV writes it (Qwen3: its q/k norms come before the rotary)
+        tl.store(Y + rows_n[None, :], out)
 
 
 def row_chunks(k: int) -> Optional[tuple[int, int]]:
@@ -184,12 +191,29 @@ def norm_qkv_rope(h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
     """`triton_qkv_rope.qkv_rope(rms_norm(h + residual), ...)` for one row, into `out`; returns
     the new residual h + residual. h: a GEMM output, possibly still split-K partials. The caller
     has checked `applies`."""
-    block_k, chunks = row_chunks(residual.shape[1])
     half = heads.dim // 2
     for c in (cos, sin):
         if c.shape != (1, 1, half) or c.dtype != residual.dtype or c.stride(2) != 1:
             raise ValueError(f"cos/sin {tuple(c.shape)} {c.dtype} do not fit one row of "
                              f"{heads.dim}-dim heads in {residual.dtype}")
+    return _launch(h, residual, norm_weight, eps, weight, bias, heads, out, config,
+                   (cos, sin, kv))
+
+
+def norm_qkv(h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm_weight: torch.Tensor,
+             eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], heads: QKVHeads,
+             out: torch.Tensor, config: NormQKVConfig) -> torch.Tensor:
+    """`F.linear(rms_norm(h + residual), weight, bias)` for one row, into `out`, neither rotated
+    nor stored (Qwen3: the q/k norms come between qkv and the rotary, in the rotary kernel);
+    returns the new residual h + residual. The caller has checked `applies`."""
+    return _launch(h, residual, norm_weight, eps, weight, bias, heads, out, config, None)
+
+
+def _launch(h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm_weight: torch.Tensor,
+            eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], heads: QKVHeads,
+            out: torch.Tensor, config: NormQKVConfig,
+            rope: Optional[tuple[torch.Tensor, torch.Tensor, KVStore]]) -> torch.Tensor:
+    block_k, chunks = row_chunks(residual.shape[1])
     if out.shape != (1, weight.shape[0]) or out.dtype != residual.dtype or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous "
                          f"[1, {weight.shape[0]}] {residual.dtype} tensor")
@@ -198,16 +222,18 @@ def norm_qkv_rope(h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
     x, split, stride_split = ((h.partials, h.splits, h.partials.stride(0))
                               if isinstance(h, SplitSum) else (h, 1, 0))
     new_residual = torch.empty_like(residual)
+    # without the rotary its inputs are never read: any tensors stand in for them
+    cos, sin, kv = rope if rope is not None else (out, out, KVStore(None, out, out, out))
     kb, vb = kv.k_buffer, kv.v_buffer
-    _norm_qkv_rope_kernel[((heads.q + 2 * heads.kv) * half // config.pairs,)](
+    _norm_qkv_rope_kernel[((heads.q + 2 * heads.kv) * (heads.dim // 2) // config.pairs,)](
         x, residual, norm_weight, new_residual, weight, bias if bias is not None else out, out,
         cos, sin, kv.loc, kb, vb, eps, 1.0 / residual.shape[1], residual.shape[1], stride_split,
         cos.stride(0), sin.stride(0), kb.stride(0), vb.stride(0),
         Q_HEADS=heads.q, KV_HEADS=heads.kv, HEAD_DIM=heads.dim, PAIRS=config.pairs,
         BLOCK_K=block_k, CHUNKS=chunks, SPLIT=split, HAS_BIAS=bias is not None,
-        COMPILED=triton_gemv._COMPILED, num_warps=config.num_warps, enable_fp_fusion=False,
-        **launch_options(preloads_weights=True))
+        ROPE=rope is not None, COMPILED=triton_gemv._COMPILED, num_warps=config.num_warps,
+        enable_fp_fusion=False, **launch_options(preloads_weights=True))
     return new_residual
 
 
-__all__ = ["norm_qkv_rope", "applies", "row_chunks", "NormQKVConfig", "CONFIG"]
+__all__ = ["norm_qkv_rope", "norm_qkv", "applies", "row_chunks", "NormQKVConfig", "CONFIG"]

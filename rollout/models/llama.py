@@ -47,13 +47,18 @@ class DecoderAttention(nn.Module):
                        h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm: RMSNorm,
                        fb: ForwardBatch) -> tuple[Union[torch.Tensor, SplitSum], torch.Tensor]:
         """(forward(norm(h + residual)), h + residual): at one row on CUDA the add + norm in the
-        qkv kernel where triton_norm_qkv_rope applies, else the norm's own kernel first."""
+        qkv kernel where triton_norm_qkv_rope applies (with the rotary and the KV store, or,
+        Qwen3, before its q/k norms' rotary kernel), else the norm's own kernel first."""
         fused = self._fused_norm_qkv_rope(rope, h, residual, norm, fb)
-        if fused is None:
-            x, residual = norm(h, residual)
-            return self.forward(rope, x, fb), residual
-        qkv, residual = fused
-        return self._attend(*self._heads(qkv), True, fb), residual
+        if fused is not None:
+            qkv, residual = fused
+            return self._attend(*self._heads(qkv), True, fb), residual
+        fused = self._fused_norm_qkv(h, residual, norm)
+        if fused is not None:
+            qkv, residual = fused
+            return self._attend(*self._rotary_cuda(rope, qkv, fb), fb), residual
+        x, residual = norm(h, residual)
+        return self.forward(rope, x, fb), residual
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, kv_stored: bool,
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
@@ -79,9 +84,17 @@ class DecoderAttention(nn.Module):
         from rollout.layers import triton_ops
         if self.q_norm is None and (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
             return *self._heads(fused), True
-        fuse_norm = self.q_norm is not None and triton_ops.FUSED_QK_NORM
         # split-K partials of qkv are summed by the rotary kernel (and normed there, Qwen3)
-        qkv = self.qkv_proj(x, defer_split=self.q_norm is None or fuse_norm)
+        qkv = self.qkv_proj(x, defer_split=self.q_norm is None or triton_ops.FUSED_QK_NORM)
+        return self._rotary_cuda(rope, qkv, fb)
+
+    def _rotary_cuda(self, rope: tuple[torch.Tensor, torch.Tensor],
+                     qkv: Union[torch.Tensor, SplitSum],
+                     fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The q/k norms (Qwen3), the rotary and the KV cache write of qkv (or of its split-K
+        partials) by fused Triton kernels: as `_qkv_rotary_cuda`."""
+        from rollout.layers import triton_ops
+        fuse_norm = self.q_norm is not None and triton_ops.FUSED_QK_NORM
         split = qkv if isinstance(qkv, SplitSum) else None
         qk, v = self._heads(split.out if split is not None else qkv)  # the rotary kernel writes
         if self.q_norm is not None and not fuse_norm:
@@ -145,6 +158,24 @@ class DecoderAttention(nn.Module):
             return None
         return out, fused.norm_qkv_rope(h, residual, norm.weight, norm.eps, w, self.qkv_proj.bias,
                                         *rope, heads, kv, out, fused.CONFIG)
+
+    def _fused_norm_qkv(self, h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
+                        norm: RMSNorm) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(qkv, new residual) from triton_norm_qkv_rope's kernel without its rotary where it
+        takes this row and qkv has q/k norms (Qwen3: they come before the rotary, in the rotary
+        kernel after this one) and the plain qkv GEMV would be the one-row FMA kernel, else
+        None."""
+        w = self.qkv_proj.weight
+        if not (residual.is_cuda and self.q_norm is not None and use_skinny(residual, w)):
+            return None
+        from rollout.layers import triton_gemv, triton_norm_qkv_rope as fused, triton_qkv_rope
+        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
+        if (triton_gemv._config(1, *w.shape).dot
+                or not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG)):
+            return None
+        out = torch.empty(1, w.shape[0], dtype=residual.dtype, device=residual.device)
+        return out, fused.norm_qkv(h, residual, norm.weight, norm.eps, w, self.qkv_proj.bias,
+                                   heads, out, fused.CONFIG)
 
     def _qkv_rotary_cpu(self, rope: tuple[torch.Tensor, torch.Tensor],
                         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
