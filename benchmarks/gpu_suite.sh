@@ -924,10 +924,13 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # Qwen3-30B-A3B at one row: the qkv fold (on by default) against the norm's own kernel,
     # 12 of its layers, engine alone; and the MoE GPU specs (tiny Qwen3-MoE against HF)
     q40moe) run q40moespec 120 python3 -m pytest -q -m gpu tests/test_moe.py -p no:cacheprovider
-            for fold in 2,4 0; do
-              ROLLOUT_FUSED_NORM_QKV=$fold run "q40moe_$fold" 130 python3 benchmarks/moe_decode.py \
-                --layers 12 --batch-sizes 1 --skip-hf-generate --out "$OUT/q40moe_$fold.json"
+            for fold in on:2,4 off:0; do
+              ROLLOUT_FUSED_NORM_QKV=${fold#*:} run "q40moe_${fold%%:*}" 130 python3 benchmarks/moe_decode.py \
+                --layers 12 --batch-sizes 1 --skip-hf-generate --out "$OUT/q40moe_${fold%%:*}.json"
             done ;;
+    q40ab4) run q40ab4 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_e.json \
+              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 60 \
+              --out "$OUT/q40ab4.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
