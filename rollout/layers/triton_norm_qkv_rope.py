@@ -27,7 +27,10 @@ decode graph, engine alone; benchmarks/ab_thirtyfifth_session*.json): 1.0043 -> 
 pair a program 1.0012-1.0014, four 1.0077-1.0128, eight 1.0134; two pairs with 2 or 8 warps
 1.0027 / 1.0085. The bound, the norm without any kernel, 0.9887. In the decode benchmark's
 process of batches 1, 32 and 128 only 1.0056 -> 1.0041 (ab35d, two rounds). The same fold into the one-row
-gate/up (4,480 programs) lost 12% (1.0045 -> 1.1243 ms, ab35c), as the fifth session's had."""
+gate/up (4,480 programs) lost 12% (1.0045 -> 1.1243 ms, ab35c), as the fifth session's had.
+Qwen3-1.7B's `norm_qkv` (fortieth session, benchmarks/ab_fortieth_session_d.json, three
+rounds): 1.1232 -> 1.1151 ms; with the older, split down entry before it, it had lost (1.2117 ->
+1.2168, ab_fortieth_session.json)."""
 from __future__ import annotations
 
 import os
