@@ -23,6 +23,12 @@ run() {  # run NAME SECONDS CMD...
   tail -n 25 "$OUT/$name.log"
 }
 
+ab_shape() {  # ab_shape NAME VARIANTS_FILE SECONDS SHAPE ROUNDS BATCH...: an engine A/B of a shape
+  local name=$1 variants=$2 secs=$3 shape=$4 rounds=$5; shift 5
+  run "$name" "$secs" python3 benchmarks/engine_ab.py --variants "$variants" --shape "$shape" \
+    --rounds "$rounds" --batch-sizes "$@" --repeats 2 --timeout-s 100 --out "$OUT/$name.json"
+}
+
 ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B (engine_ab.py)
   local name=$1 variants=$2 secs=$3; shift 3
   run "$name" "$secs" python3 benchmarks/engine_ab.py --variants "$variants" --rounds ${ROUNDS:-2} \
@@ -900,18 +906,10 @@ for stage in "$@"; do
               --budget-s 110 --out "$OUT/q39gemv1.json" ;;
     q40spec) run q40spec 170 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py \
               tests/test_triton_kernels.py -p no:cacheprovider -k "qwen3 or shapes or kv_heads or fold" ;;
-    q40ab) run q40ab 400 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session.json \
-              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 100 \
-              --out "$OUT/q40ab.json" ;;
-    q40q2) run q40q2 200 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_b.json \
-              --shape qwen2-1.5b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 80 \
-              --out "$OUT/q40q2.json" ;;
-    q40ab2) run q40ab2 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_c.json \
-              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 80 \
-              --out "$OUT/q40ab2.json" ;;
-    q40ab3) run q40ab3 170 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_d.json \
-              --shape qwen3-1.7b --rounds ${ROUNDS:-3} --batch-sizes 1 --repeats 2 --timeout-s 80 \
-              --out "$OUT/q40ab3.json" ;;
+    q40ab) ab_shape q40ab benchmarks/ab_fortieth_session.json 400 qwen3-1.7b ${ROUNDS:-2} 1 ;;
+    q40q2) ab_shape q40q2 benchmarks/ab_fortieth_session_b.json 200 qwen2-1.5b ${ROUNDS:-2} 1 ;;
+    q40ab2) ab_shape q40ab2 benchmarks/ab_fortieth_session_c.json 300 qwen3-1.7b ${ROUNDS:-2} 1 ;;
+    q40ab3) ab_shape q40ab3 benchmarks/ab_fortieth_session_d.json 170 qwen3-1.7b ${ROUNDS:-3} 1 ;;
     q40spec2) run q40spec2 150 python3 -m pytest -q -m gpu tests/test_triton_gemv.py \
               tests/test_triton_norm_qkv_rope.py -p no:cacheprovider -k "one_row_entries or qwen3 or fold" ;;
     # the Qwen3 decode table, the fold set as q40ab3 (run before it) measured it faster
@@ -928,9 +926,7 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
               ROLLOUT_FUSED_NORM_QKV=${fold#*:} run "q40moe_${fold%%:*}" 130 python3 benchmarks/moe_decode.py \
                 --layers 12 --batch-sizes 1 --skip-hf-generate --out "$OUT/q40moe_${fold%%:*}.json"
             done ;;
-    q40ab4) run q40ab4 300 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortieth_session_e.json \
-              --shape qwen3-1.7b --rounds ${ROUNDS:-2} --batch-sizes 1 --repeats 2 --timeout-s 60 \
-              --out "$OUT/q40ab4.json" ;;
+    q40ab4) ab_shape q40ab4 benchmarks/ab_fortieth_session_e.json 300 qwen3-1.7b ${ROUNDS:-2} 1 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

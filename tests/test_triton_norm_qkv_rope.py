@@ -203,51 +203,32 @@ def test_qwen2_shapes_eager_and_in_a_cuda_graph(pairs, warps):
     assert_close((new_residual, out, kb, vb), expected, dt)
 
 
-@gpu
-@pytest.mark.parametrize("graph", [False, True])
-def test_gpu_model_logits_with_the_fold_equal_those_without(tmp_path, monkeypatch, graph):
-    """A model with Qwen2-1.5B's shapes (random bf16 weights, two layers, qkv bias): its one-row
-    decode logits, eager and from the decode CUDA graph, with the second layer's add + norm
-    folded into its qkv kernel, are those of the engine's separate kernels (within the bf16
-    rounding an ulp of the normed row can move), and the fold ran."""
-    from rollout.tiny_model import TinyModelSpec, make_tiny_model
-    from tests.test_split_sum import decode_logits
-    spec = TinyModelSpec(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                         num_key_value_heads=2, dtype="bfloat16")
-    path = str(make_tiny_model(tmp_path / "m", spec))
-    monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", None)
-    without = decode_logits(path, 1, graph)
-    calls = []
-    real = triton_norm_qkv_rope.norm_qkv_rope
-    monkeypatch.setattr(triton_norm_qkv_rope, "norm_qkv_rope",
-                        lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", NormQKVConfig(2, 4))
-    with_fold = decode_logits(path, 1, graph)
-    assert calls, "the fold never ran"
-    torch.testing.assert_close(with_fold.float(), without.float(), rtol=0.02, atol=0.02)
-    assert with_fold.argmax(-1).equal(without.argmax(-1))
-    print("logits equal:", torch.equal(with_fold, without))
+QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                 num_key_value_heads=2)
+QWEN3_1_7B = dict(architecture="Qwen3ForCausalLM", hidden_size=2048, intermediate_size=6144,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)
 
 
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_gpu_qwen3_logits_with_the_fold_equal_those_without(tmp_path, monkeypatch, graph):
-    """Qwen3-1.7B's shapes (random bf16 weights, two layers, q/k norms, no qkv bias): its one-row
-    decode logits, eager and from the decode CUDA graph, with the second layer's add + norm
-    folded into its qkv GEMV (`norm_qkv`, the q/k norms and rotary in the kernel after) are
-    those of the engine's separate kernels, within the rounding an ulp of the normed row can
-    move; and the fold ran."""
+@pytest.mark.parametrize("shape,fold", [(QWEN2_1_5B, "norm_qkv_rope"), (QWEN3_1_7B, "norm_qkv")],
+                         ids=["qwen2", "qwen3"])
+def test_gpu_model_logits_with_the_fold_equal_those_without(tmp_path, monkeypatch, graph, shape,
+                                                            fold):
+    """A model with Qwen2-1.5B's shapes (qkv bias; the fold with the rotary, `norm_qkv_rope`)
+    or Qwen3-1.7B's (q/k norms, no bias; the fold without it, `norm_qkv`, the q/k norms and
+    rotary in the kernel after), random bf16 weights, two layers: its one-row decode logits,
+    eager and from the decode CUDA graph, with the second layer's add + norm folded into its qkv
+    kernel, are those of the engine's separate kernels (within the bf16 rounding an ulp of the
+    normed row can move), and the fold ran."""
     from rollout.tiny_model import TinyModelSpec, make_tiny_model
     from tests.test_split_sum import decode_logits
-    spec = TinyModelSpec(architecture="Qwen3ForCausalLM", hidden_size=2048,
-                         intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128, dtype="bfloat16")
-    path = str(make_tiny_model(tmp_path / "m", spec))
+    path = str(make_tiny_model(tmp_path / "m", TinyModelSpec(**shape, dtype="bfloat16")))
     monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", None)
     without = decode_logits(path, 1, graph)
     calls = []
-    real = triton_norm_qkv_rope.norm_qkv
-    monkeypatch.setattr(triton_norm_qkv_rope, "norm_qkv", lambda *a: calls.append(1) or real(*a))
+    real = getattr(triton_norm_qkv_rope, fold)
+    monkeypatch.setattr(triton_norm_qkv_rope, fold, lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(triton_norm_qkv_rope, "CONFIG", NormQKVConfig(2, 4))
     with_fold = decode_logits(path, 1, graph)
     assert calls, "the fold never ran"
