@@ -167,6 +167,10 @@ def test_bad_inputs_are_refused_before_the_launch():
         with pytest.raises(ValueError):
             norm_qkv_rope(*args)
         assert not out.any() and torch.equal(kb, kv_buffers(heads, dt)[0]), name
+    for bad_out, bad_b in ((out[:, :-1], b), (out, b[:-1])):  # the fold without the rotary
+        with pytest.raises(ValueError):
+            norm_qkv(h, residual, norm_w, EPS, w, bad_b, heads, bad_out, cfg)
+        assert not out.any()
 
 
 def test_config_parse():
