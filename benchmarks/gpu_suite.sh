@@ -26,13 +26,12 @@ run() {  # run NAME SECONDS CMD...
 ab_shape() {  # ab_shape NAME VARIANTS_FILE SECONDS SHAPE ROUNDS BATCH...: an engine A/B of a shape
   local name=$1 variants=$2 secs=$3 shape=$4 rounds=$5; shift 5
   run "$name" "$secs" python3 benchmarks/engine_ab.py --variants "$variants" --shape "$shape" \
-    --rounds "$rounds" --batch-sizes "$@" --repeats 2 --timeout-s 100 --out "$OUT/$name.json"
+    --rounds "$rounds" --batch-sizes "$@" --repeats 2 --timeout-s 150 --out "$OUT/$name.json"
 }
 
-ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B (engine_ab.py)
+ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B of Qwen2-1.5B's shape
   local name=$1 variants=$2 secs=$3; shift 3
-  run "$name" "$secs" python3 benchmarks/engine_ab.py --variants "$variants" --rounds ${ROUNDS:-2} \
-    --batch-sizes "$@" --repeats 2 --timeout-s 150 --out "$OUT/$name.json"
+  ab_shape "$name" "$variants" "$secs" qwen2-1.5b "${ROUNDS:-2}" "$@"
 }
 
 for stage in "$@"; do
