@@ -12,6 +12,7 @@ import argparse
 import atexit
 import json
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -39,6 +40,22 @@ SHAPES = {
                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                 max_position_embeddings=4096, rope_theta=1000000.0,
                                 tie_word_embeddings=True, init_std=0.02, dtype="bfloat16"),
+    # the dense models RL users train at 4-8B, for shapes the skinny-GEMM table does not list
+    "qwen3-4b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
+                              hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              max_position_embeddings=4096, rope_theta=1000000.0,
+                              tie_word_embeddings=True, init_std=0.02, dtype="bfloat16"),
+    "qwen3-8b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
+                              hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              max_position_embeddings=4096, rope_theta=1000000.0,
+                              tie_word_embeddings=False, init_std=0.02, dtype="bfloat16"),
+    "qwen2.5-7b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=152064,
+                                hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                num_attention_heads=28, num_key_value_heads=4,
+                                max_position_embeddings=4096, rope_theta=1000000.0,
+                                tie_word_embeddings=False, init_std=0.02, dtype="bfloat16"),
 }
 
 
@@ -50,11 +67,33 @@ def _sync(device: str) -> None:
 def model_dir_for(shape: str | TinyModelSpec) -> Path:
     """A random HF checkpoint of a benchmark shape (a SHAPES name, or a spec) in a temporary
     directory removed when the process exits (3 GB for qwen2-1.5b: leaked once per process, 22
-    processes of A/Bs on one device machine filled its 64 GiB disk)."""
+    processes of A/Bs on one device machine filled its 64 GiB disk). With BENCH_MODEL_CACHE set
+    (a directory), a named shape's checkpoint is made there once and kept for the processes
+    after (an A/B of a 7-8B shape would otherwise write 15-16 GB per process); the caller
+    removes it."""
     spec, name = (SHAPES[shape], shape) if isinstance(shape, str) else (shape, "m")
+    cache = os.environ.get("BENCH_MODEL_CACHE")
+    if cache and isinstance(shape, str):
+        return _cached_model_dir(Path(cache), name, spec)
     tmp = tempfile.mkdtemp(prefix=f"bench-{name}-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     return make_tiny_model(Path(tmp) / name, spec, with_tokenizer=False)
+
+
+def _cached_model_dir(cache: Path, name: str, spec: TinyModelSpec) -> Path:
+    """`cache / name`, made first if absent: written to a temporary directory beside it and
+    renamed, so a process never reads a half-written checkpoint."""
+    final = cache / name
+    if not final.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+        make_tiny_model(tmp / name, spec, with_tokenizer=False)
+        try:
+            os.rename(tmp / name, final)
+        except OSError:  # another process made it first
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def gpu_engine_config(model_dir: Path, max_running_requests: int, **overrides) -> EngineConfig:

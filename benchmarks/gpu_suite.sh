@@ -34,6 +34,16 @@ ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B of Q
   ab_shape "$name" "$variants" "$secs" qwen2-1.5b "${ROUNDS:-2}" "$@"
 }
 
+ab_cached() {  # ab_cached NAME VARIANTS_FILE SECONDS SHAPE ROUNDS BATCH...: ab_shape with the shape's
+  # checkpoint made once, under its own timeout, for all the A/B's processes, and removed after
+  local name=$1 shape=$4
+  export BENCH_MODEL_CACHE=/tmp/bench_models
+  run "${name}_make" 120 python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('$shape'))"
+  ab_shape "$@"
+  rm -rf "$BENCH_MODEL_CACHE/$shape"
+  unset BENCH_MODEL_CACHE
+}
+
 for stage in "$@"; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__,torch.cuda.device_count())"' ;;
@@ -926,6 +936,12 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
                 --layers 12 --batch-sizes 1 --skip-hf-generate --out "$OUT/q40moe_${fold%%:*}.json"
             done ;;
     q40ab4) ab_shape q40ab4 benchmarks/ab_fortieth_session_e.json 300 qwen3-1.7b ${ROUNDS:-2} 1 ;;
+    # forty-first session: the one-row rule for shapes the table does not list
+    q41spec) run q41spec 150 python3 -m pytest -q -m gpu tests/test_triton_gemv.py -k "unlisted or rule" \
+              -p no:cacheprovider ;;
+    q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
+    q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
+    q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

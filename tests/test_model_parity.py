@@ -68,3 +68,26 @@ def test_mistral_matches_hf_and_sliding_windows_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "use_sliding_window": False,
                                                       "sliding_window": 64}))
     ModelConfig.from_pretrained(tmp_path)  # a window that is off
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_head_dim_apart_from_hidden_over_heads_matches_hf(tmp_path, arch):
+    """Heads × head_dim wider than the hidden size (Qwen3-4B's 32 × 128 on a 2,560 hidden):
+    q and o are not square, and the engine still equals HF through prefill and decode."""
+    from rollout.tiny_model import TinyModelSpec, make_tiny_model
+    path = str(make_tiny_model(tmp_path / "m", TinyModelSpec(
+        architecture=arch, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, seed=3)))
+    hf, driver = hf_model(path), RunnerDriver(path)
+    assert hf.config.num_attention_heads * hf.config.head_dim != hf.config.hidden_size
+    seqs = [list(p) for p in PROMPTS]
+    logits = driver.prefill(seqs)
+    worst = 0.0
+    for step in range(6):
+        expected = torch.stack([hf_last_logits(hf, s) for s in seqs])
+        worst = max(worst, (logits - expected).abs().max().item())
+        nxt = expected.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = driver.decode(nxt)
+    assert worst <= 1e-4, f"max |logit diff| {worst}"

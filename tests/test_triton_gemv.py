@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from rollout.layers import triton_gemv  # noqa: E402
+from rollout.layers import gemv_launch, triton_gemv  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_gate_up_silu, skinny_linear  # noqa: E402
 from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
 
@@ -134,6 +134,56 @@ def test_config_heuristic_is_sane():
             assert 1 <= c.split_k <= triton_gemv.MAX_SPLIT_K
             if c.dot:
                 assert c.block_n >= 16 and c.block_k >= 16
+
+
+# The one-row entries where a sweep found better than the pattern the others share
+SWEPT_ONE_ROW = {(1, 2048, 1536, False), (1, 4096, 2048, False)}  # both models' qkv
+
+
+def test_one_row_rule_is_the_tables_pattern():
+    """Every measured one-row entry but the swept qkv ones is what the rule gives its shape:
+    the rule for unlisted shapes is the design measured on the two tuned models."""
+    entries = {key: cfg for key, cfg in triton_gemv._TUNED.items() if key[0] == 1}
+    assert len(entries) >= 10 and SWEPT_ONE_ROW <= set(entries)
+    for (m, n, k, gated), cfg in entries.items():
+        if (m, n, k, gated) not in SWEPT_ONE_ROW:
+            assert gemv_launch.one_row_rule(n, k, gated) == cfg, (n, k, gated)
+
+
+def test_one_row_rule_serves_unlisted_shapes(monkeypatch):
+    """An unlisted one-row shape takes the rule (the legacy heuristic with
+    ROLLOUT_ONE_ROW_RULES=0); the projections of a 7-8B model each get their kind's config."""
+    launch = gemv_launch
+    qwen3_8b = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
+                "gate_up": (24576, 4096, True), "down": (4096, 12288, False),
+                "lm_head": (151936, 4096, False)}
+    got = {name: triton_gemv._config(1, n, k, g) for name, (n, k, g) in qwen3_8b.items()}
+    assert got["gate_up"].preload == 2 and got["gate_up"].lookahead
+    assert got["lm_head"].block_n == 8 and got["lm_head"].pipeline == 3
+    assert got["down"].block_k == 1024 and got["down"].split_k == 1 and got["down"].preload == 3
+    assert got["qkv"] == got["o"] and got["o"].block_n == 2 and got["o"].lookahead
+    assert launch.one_row_rule(1536, 8960).split_k == 2  # few row pairs: split (Qwen2's 768)
+    assert launch.one_row_rule(3584, 18944).block_k == 512  # K no multiple of 1,024
+    monkeypatch.setattr(launch, "ONE_ROW_RULES", "0")
+    legacy = triton_gemv._config(1, 4096, 4096)
+    assert legacy != got["o"] and legacy.preload == 1 and legacy.block_n >= 4
+
+
+@pytest.mark.parametrize("shape", [(48, 1024, True), (32768, 64, False), (64, 8192, False),
+                                   (64, 4608, False), (2048, 2560, False)])
+def test_one_row_rule_configs_compute_the_gemm(shape):
+    """Each kind's rule config (its split K, masked last chunk, lookahead, pipelined loop)
+    computes F.linear (silu(gate) · up when gated) on a weight of 40 rows (or 48 gate/up
+    rows): a config holds for any row count."""
+    n, k, gated = shape
+    cfg = gemv_launch.one_row_rule(n, k, gated)
+    x = rand(1, k, seed=k)
+    if gated:
+        w = rand(48, k, seed=n) * k ** -0.5
+        assert rel_err(skinny_gate_up_silu(x, w, 24, cfg), ref_gate_up_silu(x, w, 24)) <= 1e-5
+    else:
+        w, b = rand(40, k, seed=n) * k ** -0.5, rand(40, seed=k)
+        assert rel_err(skinny_linear(x, w, b, cfg), F.linear(x, w, b)) <= 1e-5, cfg
 
 
 def test_bad_inputs_are_refused():
@@ -345,6 +395,58 @@ def test_gpu_one_row_entries(gated):
         assert rel_err(out, ref) <= 1e-2, (n, k, cfg)
         tried += 1
     assert tried >= (2 if gated else 8)
+
+
+# Dense models the table does not list: (N, K, gated) of qkv, o, gate/up, down, the LM head
+UNLISTED_MODELS = {
+    "qwen3-4b": [(6144, 2560, False), (2560, 4096, False), (19456, 2560, True),
+                 (2560, 9728, False), (151936, 2560, False)],
+    "qwen3-8b": [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True),
+                 (4096, 12288, False), (151936, 4096, False)],
+    "qwen2.5-7b": [(4608, 3584, False), (3584, 3584, False), (37888, 3584, True),
+                   (3584, 18944, False), (152064, 3584, False)],
+}
+
+
+@gpu
+@pytest.mark.parametrize("model", list(UNLISTED_MODELS))
+def test_gpu_one_row_rule_at_unlisted_models(model):
+    """The one-row rule's config for every projection of a 4-8B model the table does not list,
+    compiled: within bf16 rounding of cuBLAS (+ SiLU when gated)."""
+    for n, k, gated in UNLISTED_MODELS[model]:
+        assert (1, n, k, gated) not in triton_gemv._TUNED
+        cfg = triton_gemv._config(1, n, k, gated)
+        assert cfg == gemv_launch.one_row_rule(n, k, gated)
+        w = rand(n, k, dtype=torch.bfloat16, seed=n + k) * k ** -0.5
+        x = rand(1, k, dtype=torch.bfloat16, seed=k)
+        if gated:
+            out, ref = skinny_gate_up_silu(x, w, n // 2), ref_gate_up_silu(x, w, n // 2)
+        else:
+            out, ref = skinny_linear(x, w), F.linear(x, w)
+        assert rel_err(out, ref) <= 1e-2, (model, n, k, cfg)
+        del w
+
+
+@gpu
+@pytest.mark.parametrize("model", ["qwen3-4b", "qwen2.5-7b"])
+def test_gpu_one_row_logits_with_the_rule_equal_cublas(tmp_path, monkeypatch, model):
+    """Two layers of a 4-8B model the table does not list, random bf16 weights: the one-row
+    decode logits through the rule's GEMVs, eager and from the decode CUDA graph, within bf16
+    rounding of those with every GEMM on cuBLAS (ROLLOUT_SKINNY_GEMM=0), same argmax."""
+    from benchmarks.decode_throughput import SHAPES
+    from rollout.layers import linear as linear_mod
+    from rollout.tiny_model import make_tiny_model
+    from tests.test_split_sum import decode_logits
+    import dataclasses
+    spec = dataclasses.replace(SHAPES[model], num_hidden_layers=2, embed_std=0.5)  # peaked
+    path = str(make_tiny_model(tmp_path / "m", spec, with_tokenizer=False))
+    for graph in (False, True):
+        rule = decode_logits(path, 1, graph)
+        monkeypatch.setattr(linear_mod, "SKINNY_GEMM", False)
+        cublas = decode_logits(path, 1, graph)
+        monkeypatch.setattr(linear_mod, "SKINNY_GEMM", True)
+        torch.testing.assert_close(rule.float(), cublas.float(), rtol=0.02, atol=0.02)
+        assert rule.argmax(-1).equal(cublas.argmax(-1)), graph
 
 
 @gpu

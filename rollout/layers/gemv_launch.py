@@ -2,8 +2,9 @@
 `Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and Qwen3-1.7B decode
 shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K, gated); None: cuBLAS
 measured faster),
-another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS) and the heuristic for the
-shapes the table does not list (`_config`). Plain Python: the kernels are in triton_gemv."""
+another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS), and for the shapes the
+table does not list the one-row rule its entries share (`one_row_rule`) and a heuristic for more
+rows (`_config`). Plain Python: the kernels are in triton_gemv."""
 from __future__ import annotations
 
 import json
@@ -225,6 +226,43 @@ if os.environ.get("ROLLOUT_SKINNY_CONFIGS"):
     load_tuned(os.environ["ROLLOUT_SKINNY_CONFIGS"])
 
 
+# One row of a shape the table does not list: "1" (default) the rule its measured one-row
+# entries share (`one_row_rule`), "0" the older heuristic below (no weight loaded before the
+# PDL wait, no lookahead, no pipelined LM head).
+ONE_ROW_RULES = os.environ.get("ROLLOUT_ONE_ROW_RULES", "1")
+if ONE_ROW_RULES not in ("1", "0"):
+    raise ValueError(f"ROLLOUT_ONE_ROW_RULES={ONE_ROW_RULES!r}: 1 or 0")
+VOCAB_ROWS = 32768  # a weight this tall is an LM head (a vocabulary), not a layer's projection
+
+
+def one_row_rule(N: int, K: int, gated: bool = False) -> Config:
+    """The one-row FMA GEMV's config for a shape the table does not list, by the kind of
+    projection its shape says it is: the pattern the measured one-row entries of both tuned
+    models share (Qwen2-1.5B, Qwen3-1.7B; see `_TUNED`), so that every dense model's batch-1
+    decode gets the measured design, not only the benchmarks' shapes. Two weight rows a program
+    (two row pairs when gated) whose first K chunks load before the PDL wait:
+      * gate/up + SiLU: chunks of 512, two before the wait, the next issued right after it;
+      * the LM head (N >= VOCAB_ROWS): 8 rows a program, its loop a 3-stage software pipeline;
+      * down-like (K >= 2·N): chunks of 1,024 (512 where K is no multiple of 1,024, the last
+        one masked), three before the wait, lookahead, 4 warps, K split in two where the row
+        pairs alone leave fewer than 1,024 programs (Qwen2-1.5B's 768) and each split keeps
+        >= 4 chunks;
+      * qkv / o (the rest): chunks of 512, three before the wait (the whole row at K = 1,536),
+        2 warps, lookahead past 4 chunks (at 4 a tie: Qwen3-1.7B's o, fortieth session).
+    The measured entries where a sweep found better than the pattern (Qwen2's qkv with 4 warps,
+    Qwen3's qkv with 4 rows of 1,024-chunks) stay in the table."""
+    if gated:
+        return Config(2, _pow2_divisor(K, 512), 1, 2, False, 3, preload=2, lookahead=True)
+    if N >= VOCAB_ROWS:
+        return Config(8, _pow2_divisor(K, 512), 1, 4, False, 3, pipeline=3)
+    if K >= 2 * N:
+        block_k = 1024 if K % 1024 == 0 else 512 if K >= 1024 else _pow2_divisor(K, 512)
+        split = 2 if N // 2 < 1024 and K // block_k >= 8 else 1
+        return Config(2, block_k, split, 4, False, 3, preload=3, lookahead=True)
+    block_k = _pow2_divisor(K, 512)
+    return Config(2, block_k, 1, 2, False, 3, preload=3, lookahead=K > 4 * block_k)
+
+
 def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
     """The launch config for an [M, K] x [N, K]^T GEMM (N: all weight rows, 2·I when gated)."""
     tuned = _TUNED.get((triton.next_power_of_2(M), N, K, gated))
@@ -234,6 +272,8 @@ def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
     halves = 2 if gated else 1
     if M > DOT_M:  # a decode batch: 64-row tiles on the tensor cores
         return Config(64, 64, 1, 4, True, 3, 64)
+    if M == 1 and ONE_ROW_RULES == "1":
+        return one_row_rule(N, K, gated)
     if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs
         block_k = _pow2_divisor(K, 512)
         block_n = max(4, 4096 // block_k // halves)
