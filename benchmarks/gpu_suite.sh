@@ -939,6 +939,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # forty-first session: the one-row rule for shapes the table does not list
     q41spec) run q41spec 150 python3 -m pytest -q -m gpu tests/test_triton_gemv.py -k "unlisted or rule" \
               -p no:cacheprovider ;;
+    q41spec2) run q41spec2 120 python3 -m pytest -q -s -m gpu tests/test_triton_gemv.py -k "rule_equal" \
+              -p no:cacheprovider ;;
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;

@@ -430,9 +430,10 @@ def test_gpu_one_row_rule_at_unlisted_models(model):
 @gpu
 @pytest.mark.parametrize("model", ["qwen3-4b", "qwen2.5-7b"])
 def test_gpu_one_row_logits_with_the_rule_equal_cublas(tmp_path, monkeypatch, model):
-    """Two layers of a 4-8B model the table does not list, random bf16 weights: the one-row
-    decode logits through the rule's GEMVs, eager and from the decode CUDA graph, within bf16
-    rounding of those with every GEMM on cuBLAS (ROLLOUT_SKINNY_GEMM=0), same argmax."""
+    """Two layers of a 4-8B model the table does not list, random bf16 weights (a peaked LM
+    head): the one-row decode logits through the rule's GEMVs, eager and from the decode CUDA
+    graph, within bf16 rounding of those with every GEMM on cuBLAS (ROLLOUT_SKINNY_GEMM=0;
+    relative error of the whole row), same argmax."""
     from benchmarks.decode_throughput import SHAPES
     from rollout.layers import linear as linear_mod
     from rollout.tiny_model import make_tiny_model
@@ -445,7 +446,9 @@ def test_gpu_one_row_logits_with_the_rule_equal_cublas(tmp_path, monkeypatch, mo
         monkeypatch.setattr(linear_mod, "SKINNY_GEMM", False)
         cublas = decode_logits(path, 1, graph)
         monkeypatch.setattr(linear_mod, "SKINNY_GEMM", True)
-        torch.testing.assert_close(rule.float(), cublas.float(), rtol=0.02, atol=0.02)
+        err = rel_err(rule, cublas)
+        print(f"{model} graph={graph}: rel. err {err:.2e}, logits std {cublas.float().std():.1f}")
+        assert err <= 1e-2, graph  # logits of std ~30: an ulp is 0.125-1
         assert rule.argmax(-1).equal(cublas.argmax(-1)), graph
 
 
