@@ -266,6 +266,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="the engine's share of free GPU memory (default EngineConfig's); less "
+                        "leaves HF's model room in the same process at 7-8B shapes")
     p.add_argument("--no-prefill-graphs", action="store_true",
                    help="prefills run eagerly (decode graphs stay)")
     p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
@@ -311,6 +314,8 @@ def run(args) -> dict:
                                  cuda_graph_batch_sizes=args.graph_batch_sizes and tuple(args.graph_batch_sizes),
                                  max_prefill_tokens=args.max_prefill_tokens,
                                  share_prompt_kv=not args.no_share_prompt_kv,
+                                 **({"mem_fraction": args.mem_fraction} if args.mem_fraction
+                                    else {}),
                                  kv_cache_tokens=None if args.device.startswith("cuda") else 65536))
     _sync(args.device)
     startup = time.perf_counter() - t0

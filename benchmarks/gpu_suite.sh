@@ -947,6 +947,12 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
                 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 --out "$OUT/q41hf8.json"
               ab_shape q41ab8 benchmarks/ab_fortyfirst_session_b.json 160 qwen3-8b 1 1
               rm -rf "$BENCH_MODEL_CACHE/qwen3-8b"; unset BENCH_MODEL_CACHE ;;
+    # the same table at batch 128 alone, the engine at half the free memory (HF beside it)
+    q41hf8b) export BENCH_MODEL_CACHE=/tmp/bench_models
+              run q41_8b_make 120 python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('qwen3-8b'))"
+              run q41hf8b 300 python3 benchmarks/decode_throughput.py --shape qwen3-8b --device cuda --dtype bfloat16 \
+                --batch-sizes 128 --prompt-len 128 --new-tokens 128 --repeats 2 --mem-fraction 0.5 --out "$OUT/q41hf8b.json"
+              rm -rf "$BENCH_MODEL_CACHE/qwen3-8b"; unset BENCH_MODEL_CACHE ;;
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
