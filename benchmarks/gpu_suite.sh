@@ -953,6 +953,14 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
               run q41hf8b 300 python3 benchmarks/decode_throughput.py --shape qwen3-8b --device cuda --dtype bfloat16 \
                 --batch-sizes 128 --prompt-len 128 --new-tokens 128 --repeats 2 --mem-fraction 0.5 --out "$OUT/q41hf8b.json"
               rm -rf "$BENCH_MODEL_CACHE/qwen3-8b"; unset BENCH_MODEL_CACHE ;;
+    # engine vs HF at 1, 32 and 128 rows for the 4B and 7B shapes, HF beside the engine
+    q41hf47) export BENCH_MODEL_CACHE=/tmp/bench_models
+              for m in qwen3-4b:90:180 qwen2.5-7b:100:210; do IFS=: read -r shape mk secs <<< "$m"
+                run "q41_${shape}_make" "$mk" python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('$shape'))"
+                run "q41hf_$shape" "$secs" python3 benchmarks/decode_throughput.py --shape "$shape" --device cuda \
+                  --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+                  --mem-fraction 0.5 --out "$OUT/q41hf_$shape.json"
+                rm -rf "$BENCH_MODEL_CACHE/$shape"; done; unset BENCH_MODEL_CACHE ;;
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
