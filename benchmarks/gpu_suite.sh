@@ -962,6 +962,7 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
                   --mem-fraction 0.5 --out "$OUT/q41hf_$shape.json"
                 rm -rf "$BENCH_MODEL_CACHE/$shape"; done; unset BENCH_MODEL_CACHE ;;
     q41tma4b) ab_cached q41tma4b benchmarks/ab_fortyfirst_session_c.json 200 qwen3-4b ${ROUNDS:-2} 32 128 ;;
+    q41small8b) ab_cached q41small8b benchmarks/ab_fortyfirst_session_d.json 200 qwen3-8b 1 2 4 ;;
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
