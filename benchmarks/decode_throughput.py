@@ -24,38 +24,30 @@ import torch
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.tiny_model import TinyModelSpec, make_tiny_model
 
+def _released(architecture: str, hidden: int, intermediate: int, layers: int, heads: int,
+              kv_heads: int, tied: bool, vocab: int = 151936,
+              head_dim: int | None = None) -> TinyModelSpec:
+    """A released model's shape with random bf16 weights (std 0.02, rope theta 1e6)."""
+    return TinyModelSpec(architecture=architecture, vocab_size=vocab, hidden_size=hidden,
+                         intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=4096, rope_theta=1000000.0,
+                         tie_word_embeddings=tied, init_std=0.02, dtype="bfloat16")
+
+
 SHAPES = {
     # ANCHORS.md CPU shape
     "cpu-small": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=4096, hidden_size=256,
                                intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                                num_key_value_heads=2, max_position_embeddings=2048),
-    "qwen2-1.5b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536,
-                                intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                                num_key_value_heads=2, max_position_embeddings=4096,
-                                rope_theta=1000000.0, tie_word_embeddings=True, init_std=0.02,
-                                dtype="bfloat16"),
-    # Qwen3-1.7B (q/k norms, head_dim 128 from 16 heads of a 2,048 hidden)
-    "qwen3-1.7b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
-                                hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                max_position_embeddings=4096, rope_theta=1000000.0,
-                                tie_word_embeddings=True, init_std=0.02, dtype="bfloat16"),
+    "qwen2-1.5b": _released("Qwen2ForCausalLM", 1536, 8960, 28, 12, 2, tied=True),
+    # Qwen3 (q/k norms): head_dim 128 whatever the hidden size
+    "qwen3-1.7b": _released("Qwen3ForCausalLM", 2048, 6144, 28, 16, 8, tied=True, head_dim=128),
     # the dense models RL users train at 4-8B, for shapes the skinny-GEMM table does not list
-    "qwen3-4b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
-                              hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                              max_position_embeddings=4096, rope_theta=1000000.0,
-                              tie_word_embeddings=True, init_std=0.02, dtype="bfloat16"),
-    "qwen3-8b": TinyModelSpec(architecture="Qwen3ForCausalLM", vocab_size=151936,
-                              hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                              max_position_embeddings=4096, rope_theta=1000000.0,
-                              tie_word_embeddings=False, init_std=0.02, dtype="bfloat16"),
-    "qwen2.5-7b": TinyModelSpec(architecture="Qwen2ForCausalLM", vocab_size=152064,
-                                hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                num_attention_heads=28, num_key_value_heads=4,
-                                max_position_embeddings=4096, rope_theta=1000000.0,
-                                tie_word_embeddings=False, init_std=0.02, dtype="bfloat16"),
+    "qwen3-4b": _released("Qwen3ForCausalLM", 2560, 9728, 36, 32, 8, tied=True, head_dim=128),
+    "qwen3-8b": _released("Qwen3ForCausalLM", 4096, 12288, 36, 32, 8, tied=False, head_dim=128),
+    "qwen2.5-7b": _released("Qwen2ForCausalLM", 3584, 18944, 28, 28, 4, tied=False,
+                            vocab=152064),
 }
 
 
