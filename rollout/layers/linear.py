@@ -23,14 +23,16 @@ from rollout.layers.weight_attrs import copy_into, make_param, replicated_loader
 # (docs/BENCHMARKS.md): batch 1 +9-18%. Small batches (2-16 rows: a rollout's tail, few
 # requests left) and decode batches from BATCH_MIN_ROWS go to the kernels only at the (shape,
 # rows) their tuned table lists as faster than cuBLAS (an early session found no gain at 4 and
-# 16 rows with the untuned heuristic). ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
+# 16 rows with the untuned heuristic; the forty-first session none at 2 and 4 rows of Qwen3-8B
+# with the one-row rule, nor at 32 and 128 of Qwen3-4B with Qwen3-1.7B's tiles).
+# ROLLOUT_SKINNY_GEMM=0: cuBLAS only.
 SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 # A skinny GEMM split along K may hand its fp32 partials to a reader that sums them itself (the
 # residual add + RMSNorm after down and o, the rotary kernel after qkv: `defer_split`), saving
 # the reduce kernel.
 # ROLLOUT_DEFER_SPLIT_K=0: always reduce in the GEMM.
 DEFER_SPLIT_K = os.environ.get("ROLLOUT_DEFER_SPLIT_K", "1") != "0"
-SKINNY_MAX_ROWS = 1  # rows the kernels serve without a tuned entry (the heuristic config)
+SKINNY_MAX_ROWS = 1  # rows the kernels serve without a tuned entry (gemv_launch.one_row_rule)
 BATCH_MIN_ROWS = 17  # decode batches from here (the M-tiled kernels), where tuned
 
 

@@ -36,7 +36,8 @@ matching gate and up row blocks and writes silu(gate) * up: the [M, 2·I] interm
 written.
 
 The launch config comes from `gemv_launch._config(M, N, K, gated)` (re-exported here): the table
-`_TUNED` (pasted from benchmarks/gpu_gemv.py's sweeps), else a small deterministic heuristic. No
+`_TUNED` (pasted from benchmarks/gpu_gemv.py's sweeps and engine A/Bs), else at one row the
+pattern its entries share (`gemv_launch.one_row_rule`), else a small deterministic heuristic. No
 autotuning, host syncs or data-dependent sizes: every call can be captured in a CUDA graph.
 
 Rounding: products and sums in fp32 (tensor-core dot: bf16/fp16 products exact in fp32; fp32
