@@ -34,14 +34,22 @@ ab_stage() {  # ab_stage NAME VARIANTS_FILE SECONDS BATCH...: an engine A/B of Q
   ab_shape "$name" "$variants" "$secs" qwen2-1.5b "${ROUNDS:-2}" "$@"
 }
 
-ab_cached() {  # ab_cached NAME VARIANTS_FILE SECONDS SHAPE ROUNDS BATCH...: ab_shape with the shape's
-  # checkpoint made once, under its own timeout, for all the A/B's processes, and removed after
-  local name=$1 shape=$4
+make_model() {  # make_model NAME SHAPE SECONDS: the shape's random checkpoint made once in
+  # BENCH_MODEL_CACHE (exported here) under its own timeout, for the processes after to share
   export BENCH_MODEL_CACHE=/tmp/bench_models
-  run "${name}_make" 120 python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('$shape'))"
-  ab_shape "$@"
-  rm -rf "$BENCH_MODEL_CACHE/$shape"
+  run "$1" "$3" python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('$2'))"
+}
+
+drop_model() {  # drop_model SHAPE: remove make_model's checkpoint (7-8B: 15-16 GB of disk)
+  rm -rf "$BENCH_MODEL_CACHE/$1"
   unset BENCH_MODEL_CACHE
+}
+
+ab_cached() {  # ab_cached NAME VARIANTS_FILE SECONDS SHAPE ROUNDS BATCH...: ab_shape with the shape's
+  # checkpoint made once for all the A/B's processes, and removed after
+  make_model "${1}_make" "$4" 120
+  ab_shape "$@"
+  drop_model "$4"
 }
 
 for stage in "$@"; do
@@ -941,26 +949,23 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
               -p no:cacheprovider ;;
     q41spec2) run q41spec2 120 python3 -m pytest -q -s -m gpu tests/test_triton_gemv.py -k "rule_equal" \
               -p no:cacheprovider ;;
-    q41_8b_more) export BENCH_MODEL_CACHE=/tmp/bench_models
-              run q41_8b_make 120 python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('qwen3-8b'))"
+    q41_8b_more) make_model q41_8b_make qwen3-8b 120
               run q41hf8 300 python3 benchmarks/decode_throughput.py --shape qwen3-8b --device cuda --dtype bfloat16 \
                 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 --out "$OUT/q41hf8.json"
               ab_shape q41ab8 benchmarks/ab_fortyfirst_session_b.json 160 qwen3-8b 1 1
-              rm -rf "$BENCH_MODEL_CACHE/qwen3-8b"; unset BENCH_MODEL_CACHE ;;
+              drop_model qwen3-8b ;;
     # the same table at batch 128 alone, the engine at half the free memory (HF beside it)
-    q41hf8b) export BENCH_MODEL_CACHE=/tmp/bench_models
-              run q41_8b_make 120 python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('qwen3-8b'))"
+    q41hf8b) make_model q41_8b_make qwen3-8b 120
               run q41hf8b 300 python3 benchmarks/decode_throughput.py --shape qwen3-8b --device cuda --dtype bfloat16 \
                 --batch-sizes 128 --prompt-len 128 --new-tokens 128 --repeats 2 --mem-fraction 0.5 --out "$OUT/q41hf8b.json"
-              rm -rf "$BENCH_MODEL_CACHE/qwen3-8b"; unset BENCH_MODEL_CACHE ;;
+              drop_model qwen3-8b ;;
     # engine vs HF at 1, 32 and 128 rows for the 4B and 7B shapes, HF beside the engine
-    q41hf47) export BENCH_MODEL_CACHE=/tmp/bench_models
-              for m in qwen3-4b:90:180 qwen2.5-7b:100:210; do IFS=: read -r shape mk secs <<< "$m"
-                run "q41_${shape}_make" "$mk" python3 -c "from benchmarks.decode_throughput import model_dir_for; print(model_dir_for('$shape'))"
+    q41hf47) for m in qwen3-4b:90:180 qwen2.5-7b:100:210; do IFS=: read -r shape mk secs <<< "$m"
+                make_model "q41_${shape}_make" "$shape" "$mk"
                 run "q41hf_$shape" "$secs" python3 benchmarks/decode_throughput.py --shape "$shape" --device cuda \
                   --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
                   --mem-fraction 0.5 --out "$OUT/q41hf_$shape.json"
-                rm -rf "$BENCH_MODEL_CACHE/$shape"; done; unset BENCH_MODEL_CACHE ;;
+                drop_model "$shape"; done ;;
     q41tma4b) ab_cached q41tma4b benchmarks/ab_fortyfirst_session_c.json 200 qwen3-4b ${ROUNDS:-2} 32 128 ;;
     q41small8b) ab_cached q41small8b benchmarks/ab_fortyfirst_session_d.json 200 qwen3-8b 1 2 4 ;;
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
