@@ -971,12 +971,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
-    # forty-second session: the down GEMM with silu(gate) * up in its prologue after a cuBLAS
-    # gate/up: its specs, its sweep against the current MLP path, then the engine with its winners
-    q42a) run q42spec 120 python3 -m pytest -q -m gpu tests/test_triton_down_silu.py -p no:cacheprovider
-          run q42sweep 230 python3 benchmarks/gpu_down_silu.py --rows 64 128 4096 8192 --case-budget-s 35 \
-            --min-gain 1.0 --out "$OUT/q42sweep.json" --configs-out "$OUT/q42sweep_configs.json"
-          ab_stage q42ab benchmarks/ab_fortysecond_session.json 210 64 128 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -208,35 +208,17 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
 }
 
 
-# The gated MLP's down GEMM with silu(gate) · up in its prologue (triton_down_silu), after a
-# plain (cuBLAS) gate/up GEMM: (rows rounded up to a power of two, N = hidden, K = intermediate)
-# -> its TMA config. No entry (or None): the fused gate/up + SiLU or the SiLU kernel, then down.
-_DOWN_SILU: dict[tuple[int, int, int], Optional[Config]] = {}
-
-
-def down_silu_config(M: int, N: int, K: int) -> Optional[Config]:
-    """The down-with-SiLU config for M rows of an [N, K] down weight, or None (not measured to
-    win: the activation stays where it was)."""
-    return _DOWN_SILU.get((triton.next_power_of_2(M), N, K))
-
-
 def load_tuned(path: str) -> int:
     """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
-    list of {M, N, K, gated, config: {...} or null}) to `_TUNED`, and those with "kind":
-    "down_silu" (benchmarks/gpu_down_silu.py) to `_DOWN_SILU`; returns how many. Read at
+    list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
     import from ROLLOUT_SKINNY_CONFIGS when set: another GPU's measured table, without a code
     change."""
     with open(path) as f:
         entries = json.load(f)
     for e in entries:
-        cfg = Config(**e["config"]) if e["config"] is not None else None
-        kind = e.get("kind", "gemm")
-        if kind == "down_silu":
-            _DOWN_SILU[(int(e["M"]), int(e["N"]), int(e["K"]))] = cfg
-        elif kind == "gemm":
-            _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = cfg
-        else:
-            raise ValueError(f"{path}: entry kind {kind!r} is neither 'gemm' nor 'down_silu'")
+        cfg = e["config"]
+        _TUNED[(int(e["M"]), int(e["N"]), int(e["K"]), bool(e["gated"]))] = (
+            Config(**cfg) if cfg is not None else None)
     return len(entries)
 
 

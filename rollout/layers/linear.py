@@ -32,10 +32,6 @@ SKINNY_GEMM = os.environ.get("ROLLOUT_SKINNY_GEMM", "1") != "0"
 # the reduce kernel.
 # ROLLOUT_DEFER_SPLIT_K=0: always reduce in the GEMM.
 DEFER_SPLIT_K = os.environ.get("ROLLOUT_DEFER_SPLIT_K", "1") != "0"
-# The gated MLP as a plain (cuBLAS) gate/up GEMM and a down GEMM that applies silu(gate) · up as
-# it loads its tiles (`triton_down_silu`), at the rows the table `gemv_launch._DOWN_SILU` lists.
-# ROLLOUT_DOWN_SILU=0: the activation stays in gate/up's epilogue or its own kernel.
-DOWN_SILU = os.environ.get("ROLLOUT_DOWN_SILU", "1") != "0"
 SKINNY_MAX_ROWS = 1  # rows the kernels serve without a tuned entry (gemv_launch.one_row_rule)
 BATCH_MIN_ROWS = 17  # decode batches from here (the M-tiled kernels), where tuned
 
@@ -66,24 +62,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return triton_gemv.skinny_linear(x, weight, bias,
                                          defer_split=defer_split and DEFER_SPLIT_K)
     return F.linear(x, weight, bias)
-
-
-def down_silu_config(x: torch.Tensor, gate_up_weight: torch.Tensor,
-                     down_weight: torch.Tensor):
-    """The launch config of `triton_down_silu` for this MLP input on one rank, or None: the
-    table has no entry for its rows, or the tensors are not 16-bit CUDA ones TMA can read."""
-    if not (SKINNY_GEMM and DOWN_SILU and x.is_cuda and x.dim() == 2
-            and x.dtype in (torch.bfloat16, torch.float16) and down_weight.dtype == x.dtype
-            and down_weight.is_contiguous() and gate_up_weight.shape[0] == 2 * down_weight.shape[1]
-            and (down_weight.shape[1] * x.element_size()) % 16 == 0
-            and down_weight.data_ptr() % 16 == 0):
-        return None
-    from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
-    cfg = triton_gemv.down_silu_config(x.shape[0], *down_weight.shape)
-    if cfg is None or not triton_gemv._has_tma(x.device.index if x.device.index is not None
-                                                else torch.cuda.current_device()):
-        return None
-    return cfg
 
 
 class ColumnParallelLinear(nn.Module):

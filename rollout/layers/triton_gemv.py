@@ -63,8 +63,8 @@ from rollout.triton_pdl import launch_options, pdl_wait
 
 # the launch API, re-exported: callers, tests and benchmarks read it from here
 from rollout.layers.gemv_launch import (  # noqa: F401
-    BATCH_MAX_M, FMA_MAX_M, MAX_M, MAX_SPLIT_K, NUM_SMS_H200, Config, _DOWN_SILU, _TUNED,
-    _config, down_silu_config, split_k_range)
+    BATCH_MAX_M, FMA_MAX_M, MAX_M, MAX_SPLIT_K, NUM_SMS_H200, Config, _TUNED, _config,
+    split_k_range)
 
 
 # ---- kernels ------------------------------------------------------------------------------------

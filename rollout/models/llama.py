@@ -14,8 +14,8 @@ from rollout.forward_batch import ForwardBatch
 from rollout.layers.attention import Attention
 from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rollout.layers.linear import (DEFER_SPLIT_K, MergedColumnParallelLinear, QKVParallelLinear,
-                                   RowParallelLinear, down_silu_config, use_skinny)
+from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   use_skinny)
 from rollout.layers.moe import SparseMoE
 from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
@@ -198,25 +198,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, SplitSum]:
         """On CUDA the output may be down's split-K partials, summed by the next RMSNorm."""
         if x.is_cuda:
-            fused = self.down_silu_cuda(x)
-            if fused is not None:
-                return fused
             return self.down_proj(self.activation_cuda(x), defer_split=True)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
-
-    def down_silu_cuda(self, x: torch.Tensor) -> Union[torch.Tensor, SplitSum, None]:
-        """The plain gate/up GEMM (cuBLAS), then down with silu(gate) · up in its prologue, on
-        one rank at the rows its table lists (`linear.down_silu_config`); None elsewhere."""
-        if self.down_proj.tp.size != 1 or self.gate_up_proj.bias is not None:
-            return None
-        cfg = down_silu_config(x, self.gate_up_proj.weight, self.down_proj.weight)
-        if cfg is None:
-            return None
-        from rollout.layers import triton_down_silu
-        return triton_down_silu.down_silu(self.gate_up_proj(x), self.down_proj.weight, cfg,
-                                          defer_split=DEFER_SPLIT_K)
 
     def activation_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
