@@ -971,11 +971,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q41_4b) ab_cached q41_4b benchmarks/ab_fortyfirst_session.json 150 qwen3-4b ${ROUNDS:-2} 1 ;;
     q41_8b) ab_cached q41_8b benchmarks/ab_fortyfirst_session.json 200 qwen3-8b ${ROUNDS:-2} 1 ;;
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
-    # forty-second session: the fused gate/up + SiLU with its rows split evenly over the SMs
-    q42b) run q42spec 120 python3 -m pytest -q -m gpu tests/test_triton_gemv.py -k "even" -p no:cacheprovider
-          run q42even 200 python3 benchmarks/gpu_gate_up_even.py --rows 128 64 --case-budget-s 70 \
-            --min-gain 1.0 --out "$OUT/q42even.json" --configs-out "$OUT/q42even_configs.json"
-          ab_stage q42ab_even benchmarks/ab_fortysecond_session.json 200 128 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -116,38 +116,6 @@ def test_decode_batches_tile_m_fp32(block_m, split_k, kernel):
         skinny_gate_up_silu(rand(triton_gemv.BATCH_MAX_M + 1, k), w, inter)
 
 
-@pytest.mark.parametrize("m,inter,programs,block_m", [
-    (5, 80, 2, 16),  # 5 units of 16 rows: one program takes 2, the other 3 (the extra tile)
-    (19, 80, 5, 32),  # one unit each, no extra tile; ragged M in a 32-row block
-    (7, 112, 3, 16),  # 7 units: 2, 2 and 3
-])
-def test_gate_up_even_split_fp32(m, inter, programs, block_m):
-    """The fused gate/up + SiLU with the gate rows split evenly over a fixed number of programs
-    (triton_gate_up_even): every program its run of 16-row units and the last unit of some in
-    its own tile (a program without one reads zeros past the weight), K 48 against chunks of 32
-    (a zero-filled tail): within 1e-5 of torch."""
-    k = 48
-    w = rand(2 * inter, k, seed=5)
-    x = rand(m, k, seed=m)
-    cfg = Config(16, 32, dot=True, block_m=block_m, even_programs=programs)
-    out = skinny_gate_up_silu(x, w, inter, config=cfg)
-    assert out.shape == (m, inter)
-    assert rel_err(out, ref_gate_up_silu(x, w, inter)) <= 1e-5
-
-
-def test_gate_up_even_split_refuses_what_it_cannot_split():
-    w = rand(2 * 96, 48)
-    with pytest.raises(ValueError, match="power-of-two number of whole units"):  # 6 units / 2
-        skinny_gate_up_silu(rand(4, 48), w, 96,
-                            config=Config(16, 32, dot=True, block_m=16, even_programs=2))
-    with pytest.raises(ValueError, match="all rows in one block"):
-        skinny_gate_up_silu(rand(20, 48), w, 96,
-                            config=Config(16, 32, dot=True, block_m=16, even_programs=3))
-    with pytest.raises(ValueError, match="fused gate/up"):
-        skinny_linear(rand(4, 48), w, config=Config(16, 32, dot=True, block_m=16,
-                                                    even_programs=3))
-
-
 def test_default_config_and_strided_rows():
     """The heuristic's config (no override) on a ragged shape; x rows with a stride > K."""
     w, b = rand(40, 48, seed=1), rand(40, seed=2)
@@ -540,25 +508,6 @@ def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
         unaligned = rand(64, k + 1, dtype=torch.bfloat16)[:, 1:]  # rows 2 * 1537 bytes apart
         assert triton_gemv.supports(rand(64, k, dtype=torch.bfloat16), w)
         assert not triton_gemv.supports(unaligned, w)
-
-
-@gpu
-@pytest.mark.parametrize("programs", [132, 140, 264])
-def test_gpu_gate_up_even_split_bf16(programs):
-    """The even-split gate/up + SiLU at 128 and 100 rows of Qwen2-1.5B's gate/up: within 1e-2 of
-    cuBLAS + SiLU, and replayed in a CUDA graph bit for bit as eager."""
-    inter, k = 8960, 1536
-    w = rand(2 * inter, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
-    cfg = Config(16, 64, 1, 8, True, 4, 128, even_programs=programs)
-    for m in (128, 100):
-        x = rand(m, k, dtype=torch.bfloat16, seed=m)
-        eager = skinny_gate_up_silu(x, w, inter, config=cfg)
-        assert rel_err(eager, ref_gate_up_silu(x, w, inter)) <= 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = skinny_gate_up_silu(x, w, inter, config=cfg)
-        graph.replay()
-        assert torch.equal(out, eager)
 
 
 @gpu

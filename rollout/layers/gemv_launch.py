@@ -39,8 +39,6 @@ class Config(NamedTuple):
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
-    even_programs: int = 0  # gated, > 0: triton_gate_up_even with this many programs, each a
-    # contiguous run of block_n-row units of the gate (and up) rows, all rows in one program
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's

@@ -384,9 +384,6 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
     cfg = config or _config(M, weight.shape[0], K, gated)
-    if cfg.even_programs:
-        from rollout.layers import triton_gate_up_even  # imports this module
-        return triton_gate_up_even.launch(x, weight, out, gated, cfg)
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)
