@@ -9,9 +9,12 @@ forms of one kernel:
   mma    the tiles loaded once before the loop, then the same MMAs every iteration (no loads in
          the loop).
 
-If `full` takes about `loads` + `mma`, the loop runs them one after the other; about the larger
-of the two, they overlap. Times as benchmarks/gpu_gemv.py (a CUDA graph of back-to-back calls
-rotating weight copies larger than L2). Writes JSON.
+`mma` against the weight-read floor says whether the tensor cores alone, at these tiles, take
+as long as reading the weights; `full` against both says how much of the two the loop overlaps.
+`loads` turned out no bound (forty-second session: 57.9 µs against `full`'s 19.4 at 128 rows):
+the reduction that keeps its tiles costs more than the MMAs it replaces. Times as
+benchmarks/gpu_gemv.py (a CUDA graph of back-to-back calls rotating weight copies larger than
+L2). Writes JSON.
 
   python benchmarks/gpu_gemm_overlap_probe.py --out $OUT/overlap.json
 """
