@@ -973,6 +973,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q41_7b) ab_cached q41_7b benchmarks/ab_fortyfirst_session.json 200 qwen2.5-7b ${ROUNDS:-2} 1 ;;
     # forty-second session: does the batch-128 TMA GEMM loop overlap its loads and its MMAs?
     q42c) run q42overlap 240 python3 benchmarks/gpu_gemm_overlap_probe.py --out "$OUT/q42overlap.json" ;;
+    # forty-second session: Triton's warp specialization of that loop with device-made descriptors
+    q42d) run q42ws 420 python3 benchmarks/gpu_ws_probe.py --out "$OUT/q42ws.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

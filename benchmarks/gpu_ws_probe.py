@@ -1,0 +1,127 @@
+"""Does Triton's automatic warp specialization run the batch-128 gate/up GEMM right, and faster,
+when its TMA descriptors are made on the device? A probe, not an engine kernel.
+
+The twelfth session's try (host `TensorDescriptor`s, `tl.range(warp_specialize=True)`) gave NaN
+outputs with Triton 3.6 on the H200. Triton issue #9719 reports NaNs from host descriptors on
+3.6 where device-made ones (`tl.make_tensor_descriptor`) work. The forty-second session's
+overlap probe found the table's loop with its MMAs alone at 13.6 µs and whole at 19.4 (the
+weight-read floor 12.9): a loop whose loads a producer warp issues could hide more of one under
+the other. Each variant runs in a child process with a time limit (a deadlocked kernel never
+returns). A variant is the gate/up loop (x [128, 1,536] by Qwen2-1.5B's gate and up rows, two
+MMAs a K chunk, out = gate + up sums, so it is checked against torch) with tiles, warps,
+stages, swapped A/B and warp specialization; µs a call in a CUDA graph rotating weight copies
+larger than L2, as benchmarks/gpu_gemv.py.
+
+  python benchmarks/gpu_ws_probe.py --out $OUT/ws_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r'''
+import json, sys, torch, triton
+import triton.language as tl
+from benchmarks.gpu_gemv import time_per_call, weight_copies
+
+BM, BN, BK, WARPS, STAGES, SWAP, WS = json.loads(sys.argv[1])
+M, I, K = 128, 8960, 1536
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+@triton.jit
+def gate_up(X, W, Y, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            STAGES: tl.constexpr, SWAP: tl.constexpr, WS: tl.constexpr):
+    x_desc = tl.make_tensor_descriptor(X, [M, K], [K, 1], [BM, BK])
+    w_desc = tl.make_tensor_descriptor(W, [2 * I, K], [K, 1], [BN, BK])
+    blocks_m = tl.cdiv(M, BM)
+    pid = tl.program_id(0)
+    off_m = (pid % blocks_m) * BM
+    off_n = (pid // blocks_m) * BN
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
+    for k in tl.range(0, K, BK, num_stages=STAGES, warp_specialize=WS):
+        x = x_desc.load([off_m, k])
+        w = w_desc.load([off_n, k])
+        w_up = w_desc.load([I + off_n, k])
+        if SWAP:
+            acc = tl.dot(w, x.T, acc)
+            acc_up = tl.dot(w_up, x.T, acc_up)
+        else:
+            acc = tl.dot(x, w.T, acc)
+            acc_up = tl.dot(x, w_up.T, acc_up)
+    out = acc + acc_up
+    if SWAP:
+        out = out.T
+    offs_m = off_m + tl.arange(0, BM)
+    offs_n = off_n + tl.arange(0, BN)
+    tl.store(Y + offs_m[:, None] * I + offs_n[None, :], out.to(Y.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < I)[None, :])
+
+
+gen = torch.Generator(device="cuda").manual_seed(0)
+ws = weight_copies(2 * I, K, gen)
+x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+y = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
+grid = (triton.cdiv(M, BM) * triton.cdiv(I, BN),)
+
+
+def call(i):
+    gate_up[grid](x, ws[i], y, M, I, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES, SWAP=SWAP, WS=WS,
+                  num_warps=WARPS)
+
+
+call(0)
+torch.cuda.synchronize()
+ref = x.float() @ (ws[0][:I].float() + ws[0][I:].float()).T
+err = ((y.float() - ref).norm() / ref.norm()).item()
+nan = int(y.isnan().sum())
+us = time_per_call(call, len(ws)) * 1e6 if err < 1e-2 and nan == 0 else None
+print(json.dumps({"rel_err": err, "nan": nan, "us": us, "programs": grid[0]}))
+'''
+
+# (BM x rows, BN weight rows, BK, warps, stages, swapped, warp-specialized)
+VARIANTS = [
+    (64, 64, 64, 4, 3, True, False),  # the table's tiles, device descriptors
+    (64, 64, 64, 4, 3, True, True),
+    (128, 64, 64, 4, 3, False, False),  # all rows a program, x on wgmma's M side (140)
+    (128, 64, 64, 4, 3, False, True),
+    (128, 64, 64, 8, 3, False, True),
+    (128, 64, 64, 4, 4, False, True),
+    (64, 64, 64, 4, 4, False, True),
+    (128, 64, 64, 4, 3, True, True),  # swapped, 128 x rows on the N side (140)
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeout-s", type=float, default=45)
+    args = p.parse_args()
+    rows = []
+    for v in VARIANTS:
+        row = {"block_m_n_k": v[:3], "num_warps": v[3], "num_stages": v[4], "swap_ab": v[5],
+               "warp_specialize": v[6]}
+        try:
+            proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(v)], env=dict(os.environ),
+                                  capture_output=True, text=True, timeout=args.timeout_s)
+            row.update(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
+                       else {"error": proc.stderr[-1500:]})
+        except subprocess.TimeoutExpired:
+            row["error"] = f"no return in {args.timeout_s} s (hang)"
+        except (json.JSONDecodeError, IndexError):
+            row["error"] = f"no result: {proc.stdout[-300:]} {proc.stderr[-600:]}"
+        rows.append(row)
+        print(json.dumps(row)[:400], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
