@@ -22,14 +22,10 @@ import os
 import subprocess
 import sys
 
-CHILD = r'''
-import json, sys, torch, triton
+import triton
 import triton.language as tl
-from benchmarks.gpu_gemv import time_per_call, weight_copies
 
-BM, BN, BK, WARPS, STAGES, SWAP, WS = json.loads(sys.argv[1])
-M, I, K = 128, 8960, 1536
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+M_ROWS, INTER, HIDDEN = 128, 8960, 1536
 
 
 @triton.jit
@@ -65,26 +61,32 @@ def gate_up(X, W, Y, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constex
              mask=(offs_m < M)[:, None] & (offs_n < I)[None, :])
 
 
-gen = torch.Generator(device="cuda").manual_seed(0)
-ws = weight_copies(2 * I, K, gen)
-x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-y = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
-grid = (triton.cdiv(M, BM) * triton.cdiv(I, BN),)
+def child(variant: list) -> None:
+    """Run one variant in this process and print its JSON line."""
+    import torch
+    from benchmarks.gpu_gemv import time_per_call, weight_copies
+    BM, BN, BK, WARPS, STAGES, SWAP, WS = variant
+    M, I, K = M_ROWS, INTER, HIDDEN
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = weight_copies(2 * I, K, gen)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(I, BN),)
 
+    def call(i):
+        gate_up[grid](x, ws[i], y, M, I, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES, SWAP=SWAP, WS=WS,
+                      num_warps=WARPS)
 
-def call(i):
-    gate_up[grid](x, ws[i], y, M, I, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES, SWAP=SWAP, WS=WS,
-                  num_warps=WARPS)
+    call(0)
+    torch.cuda.synchronize()
+    ref = x.float() @ (ws[0][:I].float() + ws[0][I:].float()).T
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    nan = int(y.isnan().sum())
+    us = time_per_call(call, len(ws)) * 1e6 if err < 1e-2 and nan == 0 else None
+    print(json.dumps({"rel_err": err, "nan": nan, "us": us, "programs": grid[0]}))
 
-
-call(0)
-torch.cuda.synchronize()
-ref = x.float() @ (ws[0][:I].float() + ws[0][I:].float()).T
-err = ((y.float() - ref).norm() / ref.norm()).item()
-nan = int(y.isnan().sum())
-us = time_per_call(call, len(ws)) * 1e6 if err < 1e-2 and nan == 0 else None
-print(json.dumps({"rel_err": err, "nan": nan, "us": us, "programs": grid[0]}))
-'''
 
 # (BM x rows, BN weight rows, BK, warps, stages, swapped, warp-specialized)
 VARIANTS = [
@@ -101,16 +103,21 @@ VARIANTS = [
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
     p.add_argument("--timeout-s", type=float, default=45)
+    p.add_argument("--child", default=None, help="run this one variant (JSON) here")
     args = p.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
     rows = []
     for v in VARIANTS:
         row = {"block_m_n_k": v[:3], "num_warps": v[3], "num_stages": v[4], "swap_ab": v[5],
                "warp_specialize": v[6]}
         try:
-            proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(v)], env=dict(os.environ),
-                                  capture_output=True, text=True, timeout=args.timeout_s)
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(v)],
+                                  env=dict(os.environ), capture_output=True, text=True,
+                                  timeout=args.timeout_s)
             row.update(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
                        else {"error": proc.stderr[-1500:]})
         except subprocess.TimeoutExpired:
