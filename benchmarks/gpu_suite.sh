@@ -975,6 +975,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q42c) run q42overlap 240 python3 benchmarks/gpu_gemm_overlap_probe.py --out "$OUT/q42overlap.json" ;;
     # forty-second session: Triton's warp specialization of that loop with device-made descriptors
     q42d) run q42ws 420 python3 benchmarks/gpu_ws_probe.py --out "$OUT/q42ws.json" ;;
+    # forty-second session: the batch-128 gate/up + SiLU warp-specialized by hand in Gluon
+    q42e) run q42gluon 400 python3 benchmarks/gluon_gate_up_probe.py --out "$OUT/q42gluon.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -1,0 +1,178 @@
+"""The batch-128 gate/up + SiLU as a hand warp-specialized Gluon kernel: a probe, not an engine
+kernel. The overlap probe (gpu_gemm_overlap_probe.py) found the table's Triton loop with its
+MMAs alone at 13.6 µs and whole at 19.4 (weight-read floor 12.9); Triton 3.6's automatic warp
+specialization computes that loop wrong (gpu_ws_probe.py). Here the specialization is written
+out: one producer warp issues the TMA loads of x and the gate and up weight tiles into a ring
+of shared-memory stages, signalling `ready` barriers; the four consumer warps (one warpgroup)
+wait on them, issue the two async wgmmas a K chunk (weight tile on wgmma's M side, x's rows on
+N: the table's swapped tiles), keep one chunk's MMAs in flight, and release a stage through its
+`empty` barrier once its MMAs retire. The epilogue rounds gate and up to bf16 and writes
+silu(gate) · up.
+
+Each variant runs in a child process with a time limit (a deadlock never returns); its output
+is checked against cuBLAS + SiLU (relative error), then timed as benchmarks/gpu_gemv.py (a CUDA
+graph of back-to-back calls rotating weight copies larger than L2), beside the table's Triton
+kernel in the same process. Qwen2-1.5B's gate/up (17,920 x 1,536), bf16, 128 rows.
+
+  python benchmarks/gluon_gate_up_probe.py --out $OUT/gluon_gate_up.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+M_ROWS, INTER, HIDDEN = 128, 8960, 1536
+
+
+@gluon.jit
+def _load_stages(x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, off_m, off_n, inter,
+                 num_k, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: chunk i into stage i % STAGES once the consumers freed it."""
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    for i in range(num_k):
+        s = i % STAGES
+        # use j of a stage waits for the consumers' release of use j - 1 (none for j = 0)
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+        mbarrier.expect(ready.index(s), nbytes)
+        k = i * BK
+        tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), x_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), g_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [inter + off_n, k], ready.index(s),
+                                        u_bufs.index(s))
+
+
+@gluon.jit
+def _mma_stages(x_bufs, g_bufs, u_bufs, ready, empty, num_k, BM: gl.constexpr,
+                BN: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer warpgroup: gate and up sums [BN, BM] (weight rows x x rows)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BM, 16])
+    acc_g = gl.zeros([BN, BM], gl.float32, layout)
+    acc_u = gl.zeros([BN, BM], gl.float32, layout)
+    for i in range(num_k):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        xt = x_bufs.index(s).permute((1, 0))
+        acc_g = warpgroup_mma(g_bufs.index(s), xt, acc_g, is_async=True)
+        acc_u = warpgroup_mma(u_bufs.index(s), xt, acc_u, is_async=True)
+        # this chunk's two MMAs may still run; the previous chunk's have retired: free its stage
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def gate_up_silu_ws(x_desc, w_desc, Y, M, inter, K, BM: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    blocks_m = gl.cdiv(M, BM)
+    pid = gl.program_id(0)
+    off_m = (pid % blocks_m) * BM
+    off_n = (pid // blocks_m) * BN
+    num_k = gl.cdiv(K, BK)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    acc_g, acc_u = gl.warp_specialize(
+        [(_mma_stages, (x_bufs, g_bufs, u_bufs, ready, empty, num_k, BM, BN, STAGES)),
+         (_load_stages, (x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, off_m, off_n,
+                         inter, num_k, BK, STAGES))],
+        [1], [PRODUCER_REGS])
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BM, 16])
+    dt: gl.constexpr = Y.dtype.element_ty
+    gate = acc_g.to(dt).to(gl.float32)
+    up = acc_u.to(dt).to(gl.float32)
+    silu = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
+    out = (silu * up).to(dt)
+    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    gl.store(Y + offs_m[None, :] * inter + offs_n[:, None], out,
+             mask=(offs_m < M)[None, :] & (offs_n < inter)[:, None])
+
+
+def launch(x, w, y, BM: int, BN: int, BK: int, STAGES: int, regs: int = 40) -> None:
+    import triton
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    M, K = x.shape
+    inter = w.shape[0] // 2
+    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w, [BN, BK], w_layout)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(inter, BN),)
+    gate_up_silu_ws[grid](x_desc, w_desc, y, M, inter, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+                          PRODUCER_REGS=regs, num_warps=4)
+
+
+def child(variant: list) -> None:
+    """One variant in this process: its error against cuBLAS + SiLU, its time and the table's."""
+    import torch
+    import torch.nn.functional as F
+    from benchmarks.gpu_gemv import time_per_call, weight_copies
+    from rollout.layers import triton_gemv, triton_ops
+    BM, BN, BK, STAGES = variant
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = weight_copies(2 * INTER, HIDDEN, gen)
+    x = torch.randn(M_ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.empty(M_ROWS, INTER, device="cuda", dtype=torch.bfloat16)
+    launch(x, ws[0], y, BM, BN, BK, STAGES)
+    torch.cuda.synchronize()
+    ref = triton_ops.silu_and_mul(F.linear(x, ws[0]))
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    row = {"rel_err": err, "nan": int(y.isnan().sum())}
+    if err < 1e-2:
+        row["us"] = time_per_call(lambda i: launch(x, ws[i], y, BM, BN, BK, STAGES),
+                                  len(ws)) * 1e6
+        row["table_us"] = time_per_call(
+            lambda i: triton_gemv.skinny_gate_up_silu(x, ws[i], INTER), len(ws)) * 1e6
+    print(json.dumps(row))
+
+
+VARIANTS = [  # (x rows, weight rows, K chunk, stages)
+    (64, 64, 64, 4), (64, 64, 64, 6), (64, 64, 128, 3), (128, 64, 64, 4), (64, 64, 64, 3),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--timeout-s", type=float, default=60)
+    p.add_argument("--child", default=None, help="run this one variant (JSON) here")
+    args = p.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    rows = []
+    for v in VARIANTS:
+        row = {"block_m_n_k": v[:3], "stages": v[3]}
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(v)],
+                                  env=dict(os.environ), capture_output=True, text=True,
+                                  timeout=args.timeout_s)
+            lines = proc.stdout.strip().splitlines()
+            row.update(json.loads(lines[-1]) if proc.returncode == 0 and lines
+                       else {"error": proc.stderr[-2500:]})
+        except subprocess.TimeoutExpired:
+            row["error"] = f"no return in {args.timeout_s} s (hang)"
+        rows.append(row)
+        print(json.dumps(row)[:600], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
