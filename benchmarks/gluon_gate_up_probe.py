@@ -18,16 +18,14 @@ kernel in the same process. Qwen2-1.5B's gate/up (17,920 x 1,536), bf16, 128 row
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+from benchmarks.child_variants import probe_main
 
 M_ROWS, INTER, HIDDEN = 128, 8960, 1536
 
@@ -158,30 +156,9 @@ VARIANTS = [  # (x rows, weight rows, K chunk, stages, coalesced stores)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out")
-    p.add_argument("--timeout-s", type=float, default=60)
-    p.add_argument("--child", default=None, help="run this one variant (JSON) here")
-    args = p.parse_args()
-    if args.child:
-        child(json.loads(args.child))
-        return
-    rows = []
-    for v in VARIANTS:
-        row = {"block_m_n_k": v[:3], "stages": v[3], "coalesced_stores": v[4]}
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(v)],
-                                  env=dict(os.environ), capture_output=True, text=True,
-                                  timeout=args.timeout_s)
-            lines = proc.stdout.strip().splitlines()
-            row.update(json.loads(lines[-1]) if proc.returncode == 0 and lines
-                       else {"error": proc.stderr[-2500:]})
-        except subprocess.TimeoutExpired:
-            row["error"] = f"no return in {args.timeout_s} s (hang)"
-        rows.append(row)
-        print(json.dumps(row)[:600], flush=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    probe_main(__file__, __doc__.splitlines()[0], VARIANTS,
+               lambda v: {"block_m_n_k": v[:3], "stages": v[3], "coalesced_stores": v[4]},
+               child, timeout_s=60)
 
 
 if __name__ == "__main__":

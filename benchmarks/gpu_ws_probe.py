@@ -16,14 +16,12 @@ larger than L2, as benchmarks/gpu_gemv.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 
 import triton
 import triton.language as tl
+
+from benchmarks.child_variants import probe_main
 
 M_ROWS, INTER, HIDDEN = 128, 8960, 1536
 
@@ -111,32 +109,10 @@ VARIANTS = [
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out")
-    p.add_argument("--timeout-s", type=float, default=45)
-    p.add_argument("--child", default=None, help="run this one variant (JSON) here")
-    args = p.parse_args()
-    if args.child:
-        child(json.loads(args.child))
-        return
-    rows = []
-    for v in VARIANTS:
-        row = {"block_m_n_k": v[:3], "num_warps": v[3], "num_stages": v[4], "swap_ab": v[5],
-               "warp_specialize": v[6], "paired": v[7]}
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(v)],
-                                  env=dict(os.environ), capture_output=True, text=True,
-                                  timeout=args.timeout_s)
-            row.update(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
-                       else {"error": proc.stderr[-1500:]})
-        except subprocess.TimeoutExpired:
-            row["error"] = f"no return in {args.timeout_s} s (hang)"
-        except (json.JSONDecodeError, IndexError):
-            row["error"] = f"no result: {proc.stdout[-300:]} {proc.stderr[-600:]}"
-        rows.append(row)
-        print(json.dumps(row)[:400], flush=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    probe_main(__file__, __doc__.splitlines()[0], VARIANTS,
+               lambda v: {"block_m_n_k": v[:3], "num_warps": v[3], "num_stages": v[4], "swap_ab": v[5],
+                           "warp_specialize": v[6], "paired": v[7]},
+               child, timeout_s=45)
 
 
 if __name__ == "__main__":
