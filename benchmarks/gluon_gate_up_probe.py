@@ -109,13 +109,9 @@ def _mma_stages(x_bufs, g_bufs, u_bufs, ready, empty, Y, M, inter, blocks_m, n_t
 
 
 @gluon.jit
-def gate_up_silu_ws(x_desc, w_desc, Y, M, inter, K, n_tiles, BM: gl.constexpr,
-                    BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, COALESCE: gl.constexpr):
-    """Tiles pid, pid + programs, ... of the [M, inter] output (one a program when the grid has
-    a program a tile; persistent with fewer)."""
-    blocks_m = gl.cdiv(M, BM)
-    num_k = gl.cdiv(K, BK)
+def _ring(x_desc, w_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+          STAGES: gl.constexpr):
+    """The shared-memory ring: STAGES x, gate and up tiles, and their ready / empty barriers."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
@@ -124,6 +120,18 @@ def gate_up_silu_ws(x_desc, w_desc, Y, M, inter, K, n_tiles, BM: gl.constexpr,
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    return x_bufs, g_bufs, u_bufs, ready, empty
+
+
+@gluon.jit
+def gate_up_silu_ws(x_desc, w_desc, Y, M, inter, K, n_tiles, BM: gl.constexpr,
+                    BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, COALESCE: gl.constexpr):
+    """Tiles pid, pid + programs, ... of the [M, inter] output (one a program when the grid has
+    a program a tile; persistent with fewer)."""
+    blocks_m = gl.cdiv(M, BM)
+    num_k = gl.cdiv(K, BK)
+    x_bufs, g_bufs, u_bufs, ready, empty = _ring(x_desc, w_desc, BM, BN, BK, STAGES)
     gl.warp_specialize(
         [(_mma_stages, (x_bufs, g_bufs, u_bufs, ready, empty, Y, M, inter, blocks_m, n_tiles,
                         num_k, BM, BN, STAGES, COALESCE)),
@@ -222,14 +230,7 @@ def gate_up_silu_stream_k(x_desc, w_desc, Y, P, Flags, M, inter, K, BM: gl.const
     blocks_m = gl.cdiv(M, BM)
     num_k = gl.cdiv(K, BK)
     total_units = blocks_m * gl.cdiv(inter, BN) * num_k
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    x_bufs, g_bufs, u_bufs, ready, empty = _ring(x_desc, w_desc, BM, BN, BK, STAGES)
     gl.warp_specialize(
         [(_mma_units, (x_bufs, g_bufs, u_bufs, ready, empty, Y, P, Flags, M, inter, blocks_m,
                        total_units, num_k, BM, BN, STAGES)),
