@@ -1,0 +1,69 @@
+"""Compile the Gluon probe's kernels for sm_90 on a machine without a GPU, before spending device
+time: every variant of benchmarks/gluon_gate_up_probe.py through the JIT's `warmup` with a stub
+driver that names an H200's target. Prints each variant's shared memory, whether the compiler
+split the warps (`setmaxnreg`), and its wgmma, atomic and barrier instruction counts.
+
+Use the device's Triton (3.6, pinned by its torch), installed beside this machine's:
+
+  python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
+  PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class _H200Target:
+    """Just enough of a driver for `warmup` to compile for sm_90 (nothing is launched)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 64)
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def main() -> None:
+    driver.set_active(_H200Target())
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from benchmarks import gluon_gate_up_probe as probe
+    m, inter, k = probe.M_ROWS, probe.INTER, probe.HIDDEN
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
+    y = torch.empty(m, inter, dtype=torch.bfloat16)
+    print(f"triton {triton.__version__}")
+    for bm, bn, bk, stages, coalesce, programs, tiles in probe.VARIANTS:
+        x_desc = TensorDescriptor.from_tensor(
+            x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+        w_desc = TensorDescriptor.from_tensor(
+            w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
+        n_tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
+        meta = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, PRODUCER_REGS=40, num_warps=4,
+                    grid=(programs or n_tiles,))
+        if tiles == probe.STREAM_K:
+            work = torch.empty(n_tiles * 2 * bn * bm, dtype=torch.float32)
+            flags = torch.zeros(n_tiles, dtype=torch.int32)
+            kernel = probe.gate_up_silu_stream_k.warmup(x_desc, w_desc, y, work, flags, m,
+                                                        inter, k, **meta)
+        else:
+            kernel = probe.gate_up_silu_ws.warmup(x_desc, w_desc, y, m, inter, k, n_tiles,
+                                                  COALESCE=coalesce, **meta)
+        ptx = kernel.asm["ptx"]
+        print(f"{(bm, bn, bk, stages, programs, tiles)}: shared {kernel.metadata.shared} B, "
+              f"setmaxnreg {'setmaxnreg' in ptx}, wgmma {ptx.count('wgmma.mma_async')}, "
+              f"atomics {ptx.count('atom.')}, barriers {ptx.count('bar.sync')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
