@@ -7,7 +7,11 @@ of shared-memory stages, signalling `ready` barriers; the four consumer warps (o
 wait on them, issue the two async wgmmas a K chunk (weight tile on wgmma's M side, x's rows on
 N: the table's swapped tiles), keep one chunk's MMAs in flight, and release a stage through its
 `empty` barrier once its MMAs retire. The epilogue rounds gate and up to bf16 and writes
-silu(gate) · up.
+silu(gate) · up. Three forms: a program a tile; persistent (a program takes tiles pid,
+pid + programs, ..., its producer running on into the next tile); and stream-K
+(`gate_up_silu_stream_k`: the (tile, K chunk) units cut evenly over the programs, a tile's later
+chunks summed by a helper whose fp32 sums its owner adds behind a release / acquire flag).
+`benchmarks/compile_sm90.py` compiles every variant for sm_90 without a GPU.
 
 Each variant runs in a child process with a time limit (a deadlock never returns); its output
 is checked against cuBLAS + SiLU (relative error), then timed as benchmarks/gpu_gemv.py (a CUDA

@@ -8,8 +8,8 @@ overlap probe found the table's loop with its MMAs alone at 13.6 µs and whole a
 weight-read floor 12.9): a loop whose loads a producer warp issues could hide more of one under
 the other. Each variant runs in a child process with a time limit (a deadlocked kernel never
 returns). A variant is the gate/up loop (x [128, 1,536] by Qwen2-1.5B's gate and up rows, two
-MMAs a K chunk, out = gate + up sums, so it is checked against torch) with tiles, warps,
-stages, swapped A/B and warp specialization; µs a call in a CUDA graph rotating weight copies
+MMAs a K chunk, out = gate + up sums, so it is checked against torch; or the gate rows alone,
+one accumulator) with tiles, warps, stages, swapped A/B and warp specialization; µs a call in a CUDA graph rotating weight copies
 larger than L2, as benchmarks/gpu_gemv.py.
 
   python benchmarks/gpu_ws_probe.py --out $OUT/ws_probe.json
