@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -37,6 +38,10 @@ class RequestBuilder:
         self.share_prompt_kv = share_prompt_kv  # a prompt's n samples share its KV (prompt_group)
         self._rng = random.Random(seed)
         self._next_rid = 0
+        # generate calls from several threads build at once (agenerate, agent loops): a call's
+        # request ids and drawn seeds are taken under this lock, so no two requests share an id
+        # (the call board, drops and aborts find requests by it) and a call's seeds are one run
+        self._lock = threading.Lock()
 
     def build(self, prompts: Sequence[Prompt], params: ParamsArg) -> list[Request]:
         check_prompt_list(prompts)
@@ -46,8 +51,9 @@ class RequestBuilder:
                                       "use stop_token_ids")
         ids, arrays = self._encode_all(prompts)
         groups = prompt_groups(arrays, per_prompt) if self.share_prompt_kv else [None] * len(ids)
-        return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))
-                for req in self._expand(i, p, a, sp, g)]
+        with self._lock:
+            return [req for i, (p, a, sp, g) in enumerate(zip(ids, arrays, per_prompt, groups))
+                    for req in self._expand(i, p, a, sp, g)]
 
     def _expand(self, index: int, prompt: list[int], array: np.ndarray, sp: SamplingParams,
                 group: Optional[PromptGroup]) -> list[Request]:

@@ -8,6 +8,7 @@ open calls; afterwards every KV slot has one owner (overlap scheduling on and of
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.request_builder import PromptLimits, RequestBuilder
 from tests.helpers import gpu, kv_pool_whole
 
 ARCH = "Qwen2ForCausalLM"
@@ -88,6 +90,26 @@ def test_gpu_concurrent_calls_batch_together(tiny_dirs):
         assert np.allclose(out.logprobs, want[i].logprobs, atol=1e-3, rtol=0)
     assert engine.stats.steps <= len(PROMPTS) * NEW // 3
     assert kv_pool_whole(engine.scheduler)
+
+
+def test_concurrent_calls_get_distinct_request_ids():
+    """Calls build their requests in their own threads: every request gets its own id (the
+    call board, drops and aborts find requests by it; two calls once drew the same one and a
+    call waited for a request the scheduler no longer held), and a call's ids are one run. A
+    switch interval of 1 µs makes threads interleave inside a build."""
+    builder = RequestBuilder(PromptLimits(vocab_size=64, max_context=64, kv_capacity=64),
+                             None, seed=0)
+    calls: list = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        _in_threads([lambda: calls.extend(builder.build([[1, 2], [3]], SamplingParams(n=3))
+                                          for _ in range(200))] * 8)
+    finally:
+        sys.setswitchinterval(old)
+    rids = [r.rid for call in calls for r in call]
+    assert len(calls) == 1600 and sorted(rids) == list(range(len(rids)))
+    assert all([r.rid for r in call] == list(range(call[0].rid, call[0].rid + 6)) for call in calls)
 
 
 def test_agenerate_calls_gathered_batch_together(tiny_dirs, overlap, batched):
