@@ -3,8 +3,9 @@
 The oracle is the same requests in one call: every concurrent call gets exactly its samples
 (tokens equal, logprobs within fp32 rounding), and the engine ran them together — far fewer
 steps than one call after another. Also: a call closed early, a step that fails, `abort_all`
-and an in-place weight update while several calls run, and memory release waiting for the
-open calls; afterwards every KV slot has one owner (overlap scheduling on and off)."""
+and an in-place weight update while several calls run, memory release waiting for the open
+calls, and requests built by many threads at once getting distinct ids; afterwards every KV slot
+has one owner (overlap scheduling on and off)."""
 from __future__ import annotations
 
 import asyncio
