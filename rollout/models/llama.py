@@ -2,7 +2,7 @@
 sparse MoE MLPs, `layers.moe`), tensor-parallel ready."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -145,13 +145,12 @@ class DecoderAttention(nn.Module):
         """(qkv rotated, new residual) from triton_norm_qkv_rope where it takes this row (and
         the one-row qkv + rotary kernel would run: no q/k norm, the pool takes a fused store),
         else None."""
-        w = self.qkv_proj.weight
-        if not (residual.is_cuda and self.q_norm is None and use_skinny(residual, w)):
+        taken = self._norm_qkv_takes(h, residual, norm, qk_norm=False)
+        if taken is None:
             return None
+        w, heads = taken
         from rollout.layers import triton_norm_qkv_rope as fused, triton_qkv_rope
-        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
-        if (not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG)
-                or triton_qkv_rope.fused_config(residual, w, heads) is None):
+        if triton_qkv_rope.fused_config(residual, w, heads) is None:
             return None
         out, kv = self._qkv_out_and_store(1, residual, fb)
         if kv is None:
@@ -165,17 +164,30 @@ class DecoderAttention(nn.Module):
         takes this row and qkv has q/k norms (Qwen3: they come before the rotary, in the rotary
         kernel after this one) and the plain qkv GEMV would be the one-row FMA kernel, else
         None."""
-        w = self.qkv_proj.weight
-        if not (residual.is_cuda and self.q_norm is not None and use_skinny(residual, w)):
+        taken = self._norm_qkv_takes(h, residual, norm, qk_norm=True)
+        if taken is None:
             return None
-        from rollout.layers import triton_gemv, triton_norm_qkv_rope as fused, triton_qkv_rope
-        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
-        if (triton_gemv._config(1, *w.shape).dot
-                or not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG)):
+        w, heads = taken
+        from rollout.layers import triton_gemv, triton_norm_qkv_rope as fused
+        if triton_gemv._config(1, *w.shape).dot:
             return None
         out = torch.empty(1, w.shape[0], dtype=residual.dtype, device=residual.device)
         return out, fused.norm_qkv(h, residual, norm.weight, norm.eps, w, self.qkv_proj.bias,
                                    heads, out, fused.CONFIG)
+
+    def _norm_qkv_takes(self, h: Union[torch.Tensor, SplitSum], residual: torch.Tensor,
+                        norm: RMSNorm, qk_norm: bool) -> Optional[tuple[torch.Tensor, Any]]:
+        """(qkv weight, heads) where triton_norm_qkv_rope's kernel takes this row: one CUDA row
+        the skinny GEMV serves, with or without q/k norms as `qk_norm` says; else None."""
+        w = self.qkv_proj.weight
+        if not (residual.is_cuda and (self.q_norm is not None) == qk_norm
+                and use_skinny(residual, w)):
+            return None
+        from rollout.layers import triton_norm_qkv_rope as fused, triton_qkv_rope
+        heads = triton_qkv_rope.QKVHeads(self.heads, self.kv_heads, self.attn.head_dim)
+        if not fused.applies(h, residual, norm.weight, w, heads, fused.CONFIG):
+            return None
+        return w, heads
 
     def _qkv_rotary_cpu(self, rope: tuple[torch.Tensor, torch.Tensor],
                         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
