@@ -43,7 +43,13 @@ def main() -> None:
     w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
     y = torch.empty(m, inter, dtype=torch.bfloat16)
     print(f"triton {triton.__version__}")
-    for bm, bn, bk, stages, coalesce, programs, tiles in probe.VARIANTS:
+    for variant in probe.VARIANTS:
+        bm, bn, bk, stages, coalesce, programs, tiles = variant
+        if tiles == probe.X_ON_M:
+            bm, bn, extra, bk, stages, warps, _ = variant
+            e = extra or 8
+            e_desc = TensorDescriptor.from_tensor(
+                w, [e, bk], gl.NVMMASharedLayout.get_default_for([2 * e, bk], gl.bfloat16))
         x_desc = TensorDescriptor.from_tensor(
             x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
         w_desc = TensorDescriptor.from_tensor(
@@ -51,7 +57,12 @@ def main() -> None:
         n_tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
         meta = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, PRODUCER_REGS=40, num_warps=4,
                     grid=(programs or n_tiles,))
-        if tiles == probe.STREAM_K:
+        if tiles == probe.X_ON_M:
+            meta.update(num_warps=warps, WARPS=warps, EXTRA=extra,
+                        grid=(triton.cdiv(inter, bn + extra),))
+            kernel = probe.gate_up_silu_x_on_m.warmup(x_desc, w_desc, e_desc, y, m, inter, k,
+                                                      **meta)
+        elif tiles == probe.STREAM_K:
             work = torch.empty(n_tiles * 2 * bn * bm, dtype=torch.float32)
             flags = torch.zeros(n_tiles, dtype=torch.int32)
             kernel = probe.gate_up_silu_stream_k.warmup(x_desc, w_desc, y, work, flags, m,
@@ -65,5 +76,43 @@ def main() -> None:
               f"atomics {ptx.count('atom.')}, barriers {ptx.count('bar.sync')}", flush=True)
 
 
+def engine_kernel() -> None:
+    """The engine's Gluon gate/up (rollout/layers/gluon_gate_up.py) at its table entry and the
+    variants an A/B tries, under each PDL mode; prints whether the PTX waits (griddepcontrol)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from rollout.layers import gluon_gate_up as g
+    from rollout.layers.gemv_launch import _config
+    m, inter, k = 128, 8960, 1536
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
+    y = torch.empty(m, inter, dtype=torch.bfloat16)
+    base = _config(m, 2 * inter, k, True)
+    for cfg, pdl in ((base, 2), (base, 1), (base, 0), (base._replace(preload=0), 2),
+                     (base._replace(num_warps=4), 2), (base._replace(block_n=64), 2),
+                     (base._replace(num_stages=4, preload=4), 2),
+                     (base._replace(block_m=64, num_warps=4), 2)):
+        extra = g.extra_rows(cfg)
+        ew = extra or 8
+        descs = [TensorDescriptor.from_tensor(t, [r, cfg.block_k], g._layout(r, cfg.block_k))
+                 for t, r in ((x, cfg.block_m), (w, 64), (w, ew))]
+        kernel = g._gate_up_silu_kernel.warmup(
+            *descs, y, m, inter, k, y.stride(0), BM=cfg.block_m, EXTRA=extra, BK=cfg.block_k,
+            STAGES=cfg.num_stages, PRELOAD=min(cfg.preload, cfg.num_stages),
+            WARPS=cfg.num_warps, USE_PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=False,
+            grid=(triton.cdiv(inter, cfg.block_n),))
+        ptx = kernel.asm["ptx"]
+        print(f"engine {cfg.block_n} rows, {cfg.num_warps} warps, {cfg.num_stages} stages, "
+              f"preload {cfg.preload}, PDL {pdl}: shared {kernel.metadata.shared} B, wgmma "
+              f"{ptx.count('wgmma.mma_async')}, waits {ptx.count('griddepcontrol.wait')}, "
+              f"triggers {ptx.count('griddepcontrol.launch_dependents')}, "
+              f"fma {ptx.count('fma.rn')}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if "--engine" in sys.argv:
+        driver.set_active(_H200Target())
+        engine_kernel()
+    else:
+        main()

@@ -977,6 +977,30 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q42d) run q42ws 420 python3 benchmarks/gpu_ws_probe.py --out "$OUT/q42ws.json" ;;
     # forty-second session: the batch-128 gate/up + SiLU warp-specialized by hand in Gluon
     q42e) run q42gluon 400 python3 benchmarks/gluon_gate_up_probe.py --out "$OUT/q42gluon.json" ;;
+    # the stream-K Gluon gate/up (first run), and the GPU spec of the one-row norm + qkv fold
+    q43a) run q43gluon 300 python3 benchmarks/gluon_gate_up_probe.py --out "$OUT/q43gluon.json"
+          run q43fold 200 python3 -m pytest -q -m gpu tests/test_triton_norm_qkv_rope.py -p no:cacheprovider ;;
+    # the unswapped Gluon gate/up: x's rows on wgmma's M side, 64 + 8 weight rows a program (125 tiles)
+    q43b) run q43xonm 300 python3 benchmarks/gluon_gate_up_probe.py --out "$OUT/q43xonm.json" ;;
+    # the engine's Gluon gate/up: the engine A/B at batch 128, then its GPU specs
+    q43c) make_model q43make qwen2-1.5b 90
+          ab_stage q43ab benchmarks/ab_fortythird_session.json 330 128
+          run q43spec 150 python3 -m pytest -q -m gpu tests/test_gluon_gate_up.py tests/test_triton_pdl.py \
+              tests/test_triton_gemv.py -k "gluon or gate_up or 128 or prefetch" -p no:cacheprovider ;;
+    # the final code's Gluon specs, then a second decode-table run
+    q43e) run q43spec3 150 python3 -m pytest -q -m gpu tests/test_gluon_gate_up.py tests/test_triton_pdl.py \
+              tests/test_triton_gemv.py -k "gluon or gate_up or 128 or prefetch" -p no:cacheprovider
+          run decode2 420 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
+              --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
+              --out "$OUT/decode2.json" ;;
+    # the Gluon gate/up entry against the TMA one again, three rounds
+    q43f) make_model q43make qwen2-1.5b 90
+          ROUNDS=3 ab_stage q43ab3 benchmarks/ab_fortythird_session_c.json 330 128 ;;
+    # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
+    q43d) run q43sweep 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/q43sweep.json" \
+              --configs-out "$OUT/q43sweep_configs.json"
+          if [ -s "$OUT/q43sweep_configs.json" ]; then make_model q43make qwen2-1.5b 90
+            ab_stage q43ab2 benchmarks/ab_fortythird_session_b.json 240 32 64; fi ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -1,8 +1,8 @@
-"""The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, triton_qkv_rope): the
-`Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and Qwen3-1.7B decode
-shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K, gated); None: cuBLAS
-measured faster),
-another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS), and for the shapes the
+"""The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, gluon_gate_up,
+triton_qkv_rope): the `Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and
+Qwen3-1.7B decode shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K,
+gated); None: cuBLAS measured faster), what a GPU that cannot run its Gluon entries takes
+instead (`GLUON_FALLBACK`), another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS), and for the shapes the
 table does not list the one-row rule its entries share (`one_row_rule`) and a heuristic for more
 rows (`_config`). Plain Python: the kernels are in triton_gemv."""
 from __future__ import annotations
@@ -39,6 +39,10 @@ class Config(NamedTuple):
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
+    gluon: bool = False  # the gated GEMM at 65-128 rows as the warp-specialized Gluon kernel
+    # (rollout/layers/gluon_gate_up.py; Hopper): block_n = 64 + extra weight rows a program,
+    # num_warps its consumer warps (4 or 8), num_stages its shared-memory ring, preload the
+    # stages whose weight tiles load before the PDL wait; other GPUs take GLUON_FALLBACK
 
 
 # (M, N, K, gated) -> Config, from benchmarks/gpu_gemv.py's sweep on an H200 (N: the weight's
@@ -67,17 +71,17 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
     # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
     (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
-    # 65-128 rows: TMA-fed with swapped A/B (the weight tile on wgmma's 64-row side, x's 64
-    # rows on the other; tenth session: alone 22.0 µs vs 22.8 for the kernel without TMA and
-    # 23.1 for cuBLAS + SiLU; batch-128 decode graph 1.9803 -> 1.9506 ms,
-    # benchmarks/ab_tenth_session_b.json)
-    # + (thirteenth session) its first 256 columns prefetched into L2 before the PDL wait, with
-    # the other 128-row TMA entries' (below; benchmarks/ab_thirteenth_session_c.json: batch-128
-    # decode graph 1.8739 -> 1.8602 ms with qkv and o whole, gate/up 256 and down 512 columns;
-    # qkv and o alone 1.8687; gate/up 512 and down whole 1.9546; at 32 and 64 rows every
-    # prefetch lost, 0.3-9%, so their entries have none)
-    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
-                                     prefetch_k=256),
+    # 65-128 rows (forty-third session): the warp-specialized Gluon kernel, x's rows on wgmma's M
+    # side, 64 + 8 weight rows a program (125 programs for the H200's 132 SMs), two consumer
+    # warpgroups, six stages, three stages' weights loaded before the PDL wait. Alone 20.2 µs
+    # vs 22.3 for the TMA entry it replaced (GLUON_FALLBACK, below; benchmarks/
+    # gpu_gluon_gate_up.py); in the engine (benchmarks/ab_fortythird_session.json, _c.json)
+    # the batch-128 decode graph 1.7514 -> 1.7222 ms with all six stages' weights early, 1.7463
+    # -> 1.7139 with three (1.7331 with none; 4 consumer warps 1.7712). At 33-64 rows its best
+    # config (64-row tiles, 8 stages) took 16.85 µs alone against the TMA entry's 19.14 but tied
+    # in the engine (batch-64 graph 1.5363 vs 1.5391, _b.json); at 32 rows it did not beat
+    # cuBLAS + SiLU (20.44 vs 20.03).
+    (128, 17920, 1536, True): Config(72, 64, 1, 8, True, 6, 128, preload=3, gluon=True),
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
     # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
@@ -208,6 +212,22 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
 }
 
 
+BATCH_HEURISTIC = Config(64, 64, 1, 4, True, 3, 64)  # a decode batch: 64-row tensor-core tiles
+
+# What a GPU that cannot run a Gluon entry (no Hopper, or a Triton without Gluon's Hopper module)
+# takes instead: the entries they replaced. Gate/up at 65-128 rows: TMA-fed with swapped A/B
+# (the weight tile on wgmma's 64-row side, x's 64 rows on the other; tenth session: alone 22.0
+# µs vs 22.8 for the kernel without TMA and 23.1 for cuBLAS + SiLU; batch-128 decode graph
+# 1.9803 -> 1.9506 ms, benchmarks/ab_tenth_session_b.json), its first 256 columns prefetched
+# into L2 before the PDL wait (thirteenth session, with the other 128-row TMA entries'
+# prefetches below; benchmarks/ab_thirteenth_session_c.json: batch-128 decode graph 1.8739 ->
+# 1.8602 ms with qkv and o whole, gate/up 256 and down 512 columns; qkv and o alone 1.8687;
+# gate/up 512 and down whole 1.9546; at 32 and 64 rows every prefetch lost, 0.3-9%).
+GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
+    (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
+                                     prefetch_k=256),
+}
+
 def load_tuned(path: str) -> int:
     """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
     list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
@@ -270,8 +290,8 @@ def _config(M: int, N: int, K: int, gated: bool = False) -> Config:
         return tuned
     rows = N // 2 if gated else N  # output columns; a gated program loads 2·block_n rows
     halves = 2 if gated else 1
-    if M > DOT_M:  # a decode batch: 64-row tiles on the tensor cores
-        return Config(64, 64, 1, 4, True, 3, 64)
+    if M > DOT_M:
+        return BATCH_HEURISTIC
     if M == 1 and ONE_ROW_RULES == "1":
         return one_row_rule(N, K, gated)
     if M == 1:  # FMA: 32 fp32 accumulators a thread, then enough programs to fill the SMs

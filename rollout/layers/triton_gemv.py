@@ -8,7 +8,8 @@ shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weigh
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
-triton_gemm_tma: the fused gate/up + SiLU at 33-128 rows, qkv and o at 17-128 rows where
+triton_gemm_tma: the fused gate/up + SiLU at 33-64 rows (65-128: the warp-specialized Gluon
+kernel, `Config.gluon`, rollout/layers/gluon_gate_up.py), qkv and o at 17-128 rows where
 cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows and o at 17-128 rows
 split along K, their partials summed by the add + norm that reads them, qkv at 17-32 rows by the
 rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and
@@ -63,8 +64,8 @@ from rollout.triton_pdl import launch_options, pdl_wait
 
 # the launch API, re-exported: callers, tests and benchmarks read it from here
 from rollout.layers.gemv_launch import (  # noqa: F401
-    BATCH_MAX_M, FMA_MAX_M, MAX_M, MAX_SPLIT_K, NUM_SMS_H200, Config, _TUNED, _config,
-    split_k_range)
+    BATCH_HEURISTIC, BATCH_MAX_M, FMA_MAX_M, GLUON_FALLBACK, MAX_M, MAX_SPLIT_K, NUM_SMS_H200,
+    Config, _TUNED, _config, split_k_range)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -338,15 +339,45 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     if not ok:
         return False
     key = _table_key(x, weight, gated)
-    cfg = _TUNED.get(key)
-    if cfg is None:  # an entry saying cuBLAS; or none: the heuristic (never TMA) up to MAX_M rows
-        return key not in _TUNED and x.shape[0] <= MAX_M
-    return not cfg.tma or _tma_can_read(x, weight)
+    if key not in _TUNED:  # the heuristic (never TMA) up to MAX_M rows
+        return x.shape[0] <= MAX_M
+    cfg = _runnable(_TUNED[key], key, x)
+    if cfg is None:  # an entry saying cuBLAS
+        return False
+    return not (cfg.tma or cfg.gluon) or _tma_can_read(x, weight)
 
 
 def is_tuned(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """The tuned table has a kernel config (not cuBLAS) for this GEMM's rows and shape."""
     return _TUNED.get(_table_key(x, weight, gated)) is not None
+
+
+def _runnable(cfg: Optional[Config], key: tuple, x: torch.Tensor) -> Optional[Config]:
+    """A table entry, or where it names the Gluon kernel and this GPU cannot run it (not
+    Hopper, bf16, or no Gluon in this Triton) the entry it replaced (GLUON_FALLBACK)."""
+    if cfg is None or not cfg.gluon or (x.dtype == torch.bfloat16 and _gluon_runs(x.device)):
+        return cfg
+    return GLUON_FALLBACK.get(key)
+
+
+def _gluon_runs(device: torch.device) -> bool:
+    return (_COMPILED and device.type == "cuda" and _has_gluon_hopper()
+            and _is_hopper(device.index if device.index is not None
+                           else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gluon_hopper() -> bool:
+    try:
+        from rollout.layers import gluon_gate_up  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:  # wgmma is sm_90a's alone
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _table_key(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int, bool]:
@@ -383,7 +414,15 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
             defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]  # output columns
-    cfg = config or _config(M, weight.shape[0], K, gated)
+    # a Gluon entry this GPU cannot run whose fallback is cuBLAS: supports() says no, but a
+    # direct call gets the heuristic's tiles
+    cfg = config or _runnable(_config(M, weight.shape[0], K, gated),
+                              _table_key(x, weight, gated), x) or BATCH_HEURISTIC
+    if cfg.gluon:
+        if not gated:
+            raise ValueError("the Gluon kernel is the gated GEMM's (gate/up + SiLU)")
+        from rollout.layers import gluon_gate_up
+        return gluon_gate_up.launch(x, weight, out, cfg)
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)

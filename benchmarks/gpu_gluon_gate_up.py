@@ -1,0 +1,86 @@
+"""The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gate_up.py) swept over its configs at
+decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process.
+
+Qwen2-1.5B's gate/up (17,920 x 1,536), bf16; µs a call in a CUDA graph of back-to-back calls
+rotating weight copies larger than L2 (benchmarks/gpu_gemv.py's timing); every Gluon result is
+first checked against cuBLAS + silu_and_mul (relative error <= 1e-2, else not timed).
+
+  python benchmarks/gpu_gluon_gate_up.py --out $OUT/gluon_gate_up_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu_gemv import rel_err, time_per_call, weight_copies
+
+INTER, HIDDEN = 8960, 1536
+
+
+def configs(rows: int):
+    from rollout.layers.triton_gemv import Config
+    for block_m, warps_list in ((64, (4,)), (128, (4, 8))):
+        if block_m == 128 and rows <= 64:
+            continue
+        stage_list = (4, 6, 8) if block_m == 64 else (4, 6)
+        for warps in warps_list:
+            for stages in stage_list:
+                for block_n in (64, 72, 80):
+                    yield Config(block_n, 64, 1, warps, True, stages, block_m, preload=stages,
+                                 gluon=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 48, 64, 96, 128])
+    p.add_argument("--configs-out", default=None, help="a configs file (gemv_launch.load_tuned) "
+                   "of the best Gluon config at each power-of-two row count it beats the table "
+                   "at by --min-gain, for an engine A/B")
+    p.add_argument("--min-gain", type=float, default=1.02)
+    args = p.parse_args()
+    entries = []
+    from rollout.layers import triton_gemv, triton_ops
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = weight_copies(2 * INTER, HIDDEN, gen)
+    rows_out = []
+    for m in args.rows:
+        x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = triton_ops.silu_and_mul(F.linear(x, ws[0]))
+        cublas = time_per_call(lambda i: triton_ops.silu_and_mul(F.linear(x, ws[i])), len(ws))
+        on_table = triton_gemv.supports(x, ws[0], gated=True)
+        table = time_per_call(
+            (lambda i: triton_gemv.skinny_gate_up_silu(x, ws[i], INTER)) if on_table else
+            (lambda i: triton_ops.silu_and_mul(F.linear(x, ws[i]))), len(ws))
+        row = {"rows": m, "cublas_silu_us": cublas * 1e6, "table_us": table * 1e6,
+               "table_kernel": "triton" if on_table else "cublas", "gluon": []}
+        for cfg in configs(m):
+            out = triton_gemv.skinny_gate_up_silu(x, ws[0], INTER, config=cfg)
+            entry = {"config": cfg._asdict(), "rel_err": rel_err(out, ref),
+                     "same_bits_as_cublas_silu": bool(torch.equal(out, ref))}
+            if entry["rel_err"] <= 1e-2:
+                entry["us"] = time_per_call(
+                    lambda i: triton_gemv.skinny_gate_up_silu(x, ws[i], INTER, config=cfg),
+                    len(ws)) * 1e6
+            row["gluon"].append(entry)
+        best = min((e for e in row["gluon"] if "us" in e), key=lambda e: e["us"], default=None)
+        print(f"rows {m}: cuBLAS + SiLU {row['cublas_silu_us']:.2f} µs, table "
+              f"({row['table_kernel']}) {row['table_us']:.2f}, best Gluon "
+              f"{best['us'] if best else float('nan'):.2f} {best['config'] if best else ''}",
+              flush=True)
+        rows_out.append(row)
+        if best and m & (m - 1) == 0 and best["us"] * args.min_gain <= row["table_us"]:
+            entries.append({"M": m, "N": 2 * INTER, "K": HIDDEN, "gated": True,
+                            "config": best["config"]})
+            if args.configs_out:
+                with open(args.configs_out, "w") as f:
+                    json.dump(entries, f, indent=1)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

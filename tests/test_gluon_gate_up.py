@@ -1,0 +1,173 @@
+"""Spec: the warp-specialized Gluon gate/up + SiLU (rollout/layers/gluon_gate_up.py), the table's
+entry for Qwen2-1.5B's gate/up at 65-128 rows on a Hopper GPU.
+
+Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
+kernel and the entry it replaced (what other GPUs take), the tile widths it refuses, and the
+kernel compiled for sm_90 (a stub driver naming an H200), waiting for the PDL predecessor in
+both its partitions exactly when PDL is on. On the H200 (`gpu`): against cuBLAS + silu_and_mul
+(relative error <= 1e-2, METHOD.md) at 65, 100 and 128 rows, on ragged shapes (output columns
+past the last tile, K past the last chunk), and every tiling and PDL variant the config offers
+gives the same bits eagerly and in a CUDA graph. (The model-level specs with its shapes run it
+too: test_triton_pdl's decode logits at 128 rows under every trigger policy.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from rollout.layers import gemv_launch, triton_gemv  # noqa: E402
+from rollout.layers.triton_gemv import Config, skinny_gate_up_silu  # noqa: E402
+from tests.helpers import gpu  # noqa: E402
+
+KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
+
+
+def _gluon():
+    try:
+        from rollout.layers import gluon_gate_up
+    except ImportError:
+        pytest.skip("this Triton has no Gluon Hopper module")
+    return gluon_gate_up
+
+
+def test_table_names_the_gluon_kernel_and_its_fallback():
+    """The entry at 65-128 rows is the Gluon kernel; a GPU that cannot run it (here: no GPU)
+    gets the TMA entry it replaced."""
+    cfg = gemv_launch._TUNED[KEY]
+    assert cfg.gluon and not cfg.tma and cfg.block_n == 72
+    for rows in (65, 100, 128):
+        assert gemv_launch._config(rows, 17920, 1536, True) == cfg
+    fallback = gemv_launch.GLUON_FALLBACK[KEY]
+    assert fallback.tma and not fallback.gluon
+    x = torch.zeros(100, 1536, dtype=torch.bfloat16)
+    assert triton_gemv._runnable(cfg, KEY, x) == fallback
+    assert triton_gemv._runnable(fallback, KEY, x) == fallback  # other entries pass through
+
+
+def test_extra_rows_are_zero_or_a_power_of_two():
+    g = _gluon()
+    for block_n, extra in ((64, 0), (72, 8), (80, 16), (96, 32)):
+        assert g.extra_rows(Config(block_n, 64, gluon=True)) == extra
+    for block_n in (32, 60, 68, 100):
+        with pytest.raises(ValueError, match="block_n"):
+            g.extra_rows(Config(block_n, 64, gluon=True))
+
+
+class _H200:
+    """Just enough of a driver for `warmup` to compile for sm_90 (nothing launches)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 64)
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+@pytest.mark.parametrize("use_pdl", [0, 1, 2])
+def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl):
+    """The table's config compiles to wgmma with the warps split (setmaxnreg); under PDL each
+    partition waits (griddepcontrol.wait: the producer before x's loads, the consumers before
+    their first MMA) and the kernel triggers its successor once."""
+    g = _gluon()
+    from triton.runtime import driver
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    cfg = gemv_launch._TUNED[KEY]
+    m, inter, k = 128, 8960, 1536
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
+    y = torch.empty(m, inter, dtype=torch.bfloat16)
+    descs = [TensorDescriptor.from_tensor(t, [r, cfg.block_k], g._layout(r, cfg.block_k))
+             for t, r in ((x, cfg.block_m), (w, 64), (w, 8))]
+    previous = driver._active  # None until a launch asked for one (on CPU: none to ask)
+    driver.set_active(_H200())
+    try:
+        kernel = g._gate_up_silu_kernel.warmup(
+            *descs, y, m, inter, k, y.stride(0), BM=cfg.block_m, EXTRA=8, BK=cfg.block_k,
+            STAGES=cfg.num_stages, PRELOAD=cfg.preload, WARPS=cfg.num_warps, USE_PDL=use_pdl,
+            num_warps=cfg.num_warps, enable_fp_fusion=False, grid=(125,))
+    finally:
+        driver._active = previous
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") > 0
+    assert ptx.count("griddepcontrol.wait") == (2 if use_pdl else 0)
+    assert ptx.count("griddepcontrol.launch_dependents") == (1 if use_pdl else 0)
+
+
+# ---- on the H200 -----------------------------------------------------------------------------
+def rand(*shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def reference(x, w, inter):
+    from rollout.layers import triton_ops
+    return triton_ops.silu_and_mul(F.linear(x, w))
+
+
+def _hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is Hopper's (wgmma)")
+    _gluon()
+
+
+@gpu
+@pytest.mark.parametrize("rows", [65, 100, 128])
+def test_gpu_table_entry_matches_cublas_silu(rows):
+    _hopper()
+    inter, k = 8960, 1536
+    w = rand(2 * inter, k, seed=3) * k ** -0.5
+    x = rand(rows, k, seed=rows)
+    assert triton_gemv._runnable(gemv_launch._TUNED[KEY], KEY, x).gluon
+    assert triton_gemv.supports(x, w, gated=True)
+    out = skinny_gate_up_silu(x, w, inter)
+    assert rel_err(out, reference(x, w, inter)) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("inter,k", [(1000, 1536), (8960, 1000), (200, 96)])
+def test_gpu_ragged_shapes(inter, k):
+    """Output columns past the last tile (1,000 = 13 x 72 + 64: the last tile's extra rows lie
+    outside gate and up), K past the last chunk of 64 (zero-filled by TMA), a single tile."""
+    _hopper()
+    cfg = gemv_launch._TUNED[KEY]
+    w = rand(2 * inter, k, seed=5) * k ** -0.5
+    for rows in (70, 128):
+        x = rand(rows, k, seed=rows)
+        out = skinny_gate_up_silu(x, w, inter, config=cfg)
+        assert rel_err(out, reference(x, w, inter)) <= 1e-2, rows
+
+
+@gpu
+def test_gpu_tilings_and_pdl_variants_give_the_same_bits():
+    """4 or 8 consumer warps, tiles of 128 or 64 x rows (two M blocks), 64 or 64 + 8 or 64 + 16
+    weight rows a program, 4 or 6 stages, 0 to 6 stages' weights before the PDL wait: one
+    output, eager and replayed from a CUDA graph."""
+    _hopper()
+    inter, k = 8960, 1536
+    w = rand(2 * inter, k, seed=7) * k ** -0.5
+    x = rand(128, k, seed=8)
+    base = gemv_launch._TUNED[KEY]
+    ref = skinny_gate_up_silu(x, w, inter, config=base)
+    variants = [base._replace(num_warps=4), base._replace(block_m=64, num_warps=4),
+                base._replace(block_n=64),
+                base._replace(block_n=80), base._replace(num_stages=4, preload=4),
+                base._replace(preload=0), base._replace(preload=2)]
+    for cfg in variants:
+        assert torch.equal(skinny_gate_up_silu(x, w, inter, config=cfg), ref), cfg
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gate_up_silu(x, w, inter, config=base)
+    graph.replay()
+    assert torch.equal(out, ref)
