@@ -2,9 +2,10 @@
 triton_qkv_rope): the `Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and
 Qwen3-1.7B decode shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K,
 gated); None: cuBLAS measured faster), what a GPU that cannot run its Gluon entries takes
-instead (`GLUON_FALLBACK`), another GPU's table from a file (`load_tuned`, ROLLOUT_SKINNY_CONFIGS), and for the shapes the
-table does not list the one-row rule its entries share (`one_row_rule`) and a heuristic for more
-rows (`_config`). Plain Python: the kernels are in triton_gemv."""
+instead (`GLUON_FALLBACK`), another GPU's table from a file (`load_tuned`,
+ROLLOUT_SKINNY_CONFIGS), and for the shapes the table does not list the one-row rule its entries
+share (`one_row_rule`) and a heuristic for more rows (`_config`). Plain Python: the kernels are
+in triton_gemv."""
 from __future__ import annotations
 
 import json

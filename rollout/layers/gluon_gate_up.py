@@ -19,8 +19,9 @@ after it; the consumers wait before their first MMA, so nothing is read or writt
 Rounding as triton_gemv's gated epilogue (gate and up rounded to the dtype, then
 silu(gate).to(dtype) · up with expf and the IEEE quotient; contraction off): the same bits as
 cuBLAS + silu_and_mul wherever their fp32 sums agree. Gluon does not run under
-TRITON_INTERPRET=1: the CPU specs cover the table and the dispatch, the GPU specs the kernel
-(tests/test_gluon_gate_up.py). Imported only on a GPU that `available` says can run it."""
+TRITON_INTERPRET=1: the CPU specs cover the table, the dispatch and a compile for sm_90, the GPU
+specs the kernel (tests/test_gluon_gate_up.py). triton_gemv imports it only where `_gluon_runs`
+says it can run."""
 from __future__ import annotations
 
 import functools
