@@ -1,39 +1,26 @@
 """Compile the Gluon probe's kernels for sm_90 on a machine without a GPU, before spending device
 time: every variant of benchmarks/gluon_gate_up_probe.py through the JIT's `warmup` with a stub
 driver that names an H200's target. Prints each variant's shared memory, whether the compiler
-split the warps (`setmaxnreg`), and its wgmma, atomic and barrier instruction counts.
+split the warps (`setmaxnreg`), and its wgmma, atomic and barrier instruction counts. With
+`--engine`: the engine's Gluon gate/up (rollout/layers/gluon_gate_up.py) at its table entry and
+the variants its A/Bs try, under each PDL mode.
 
 Use the device's Triton (3.6, pinned by its torch), installed beside this machine's:
 
   python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
-  PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py
+  PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py [--engine]
 """
 from __future__ import annotations
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-
-class _H200Target:
-    """Just enough of a driver for `warmup` to compile for sm_90 (nothing is launched)."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 64)
-
-    def get_device_interface(self):
-        return torch.cuda
+from tests.helpers import H200CompileTarget  # a stub driver naming an H200
 
 
 def main() -> None:
-    driver.set_active(_H200Target())
+    driver.set_active(H200CompileTarget())
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -45,11 +32,8 @@ def main() -> None:
     print(f"triton {triton.__version__}")
     for variant in probe.VARIANTS:
         bm, bn, bk, stages, coalesce, programs, tiles = variant
-        if tiles == probe.X_ON_M:
-            bm, bn, extra, bk, stages, warps, _ = variant
-            e = extra or 8
-            e_desc = TensorDescriptor.from_tensor(
-                w, [e, bk], gl.NVMMASharedLayout.get_default_for([2 * e, bk], gl.bfloat16))
+        if tiles == probe.X_ON_M:  # the engine's kernel: --engine
+            continue
         x_desc = TensorDescriptor.from_tensor(
             x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
         w_desc = TensorDescriptor.from_tensor(
@@ -57,12 +41,7 @@ def main() -> None:
         n_tiles = triton.cdiv(m, bm) * triton.cdiv(inter, bn)
         meta = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, PRODUCER_REGS=40, num_warps=4,
                     grid=(programs or n_tiles,))
-        if tiles == probe.X_ON_M:
-            meta.update(num_warps=warps, WARPS=warps, EXTRA=extra,
-                        grid=(triton.cdiv(inter, bn + extra),))
-            kernel = probe.gate_up_silu_x_on_m.warmup(x_desc, w_desc, e_desc, y, m, inter, k,
-                                                      **meta)
-        elif tiles == probe.STREAM_K:
+        if tiles == probe.STREAM_K:
             work = torch.empty(n_tiles * 2 * bn * bm, dtype=torch.float32)
             flags = torch.zeros(n_tiles, dtype=torch.int32)
             kernel = probe.gate_up_silu_stream_k.warmup(x_desc, w_desc, y, work, flags, m,
@@ -112,7 +91,7 @@ def engine_kernel() -> None:
 if __name__ == "__main__":
     import sys
     if "--engine" in sys.argv:
-        driver.set_active(_H200Target())
+        driver.set_active(H200CompileTarget())
         engine_kernel()
     else:
         main()

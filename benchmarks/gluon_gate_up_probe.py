@@ -11,9 +11,9 @@ silu(gate) · up. Three forms: a program a tile; persistent (a program takes til
 pid + programs, ..., its producer running on into the next tile); and stream-K
 (`gate_up_silu_stream_k`: the (tile, K chunk) units cut evenly over the programs, a tile's later
 chunks summed by a helper whose fp32 sums its owner adds behind a release / acquire flag).
-A fourth form (forty-third session, `gate_up_silu_x_on_m`): unswapped, x's rows on wgmma's M
-side and 64 + 8 weight rows on N, so that 125 tiles make one an SM; rollout/layers/
-gluon_gate_up.py is its engine form. `benchmarks/compile_sm90.py` compiles every variant for
+A fourth form (forty-third session, `launch_x_on_m`): unswapped, x's rows on wgmma's M side and
+64 + 8 weight rows on N, so that 125 tiles make one an SM; it became the engine's kernel,
+rollout/layers/gluon_gate_up.py, which those variants now run. `benchmarks/compile_sm90.py` compiles every variant for
 sm_90 without a GPU.
 
 Each variant runs in a child process with a time limit (a deadlock never returns); its output
@@ -247,123 +247,17 @@ def gate_up_silu_stream_k(x_desc, w_desc, Y, P, Flags, M, inter, K, BM: gl.const
         [1], [PRODUCER_REGS])
 
 
-@gluon.jit
-def _load_x_on_m(x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, e_bufs, ready, empty, M,
-                 inter, num_k, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                 EXTRA: gl.constexpr, STAGES: gl.constexpr):
-    """The unswapped kernel's producer: x's chunk, BN gate and BN up rows and, with EXTRA, the
-    EXTRA gate rows after them and the EXTRA up rows after those, as one [2 EXTRA, BK] tile."""
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes + \
-        2 * e_desc.block_type.nbytes * (EXTRA > 0)
-    off_m, off_n = _tile_offsets(gl.program_id(0), gl.cdiv(M, BM), BM, BN + EXTRA)
-    for i in range(num_k):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-        mbarrier.expect(ready.index(s), nbytes)
-        k = i * BK
-        bar = ready.index(s)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_bufs.index(s))
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, g_bufs.index(s))
-        tma.async_copy_global_to_shared(w_desc, [inter + off_n, k], bar, u_bufs.index(s))
-        if EXTRA > 0:
-            e = e_bufs.index(s)
-            tma.async_copy_global_to_shared(e_desc, [off_n + BN, k], bar, e.slice(0, EXTRA))
-            tma.async_copy_global_to_shared(e_desc, [inter + off_n + BN, k], bar,
-                                            e.slice(EXTRA, EXTRA))
-
-
-@gluon.jit
-def _silu_store(gate, up, Y, M, inter, offs_m, offs_n):
-    """silu(gate) · up of fp32 sums, each rounded to bf16 first as the unfused path does."""
-    dt: gl.constexpr = Y.dtype.element_ty
-    gate = gate.to(dt).to(gl.float32)
-    up = up.to(dt).to(gl.float32)
-    out = ((gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32) * up).to(dt)
-    gl.store(Y + offs_m[:, None] * inter + offs_n[None, :], out,
-             mask=(offs_m < M)[:, None] & (offs_n < inter)[None, :])
-
-
-@gluon.jit
-def _mma_x_on_m(x_bufs, g_bufs, u_bufs, e_bufs, ready, empty, Y, M, inter, num_k,
-                BM: gl.constexpr, BN: gl.constexpr, EXTRA: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """The consumers of the unswapped kernel: x's rows on wgmma's M side (64 a warpgroup); the
-    gate and up sums of BN rows, and of the EXTRA rows beside them in one [BM, 2 EXTRA] sum."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                     instr_shape=[16, BN, 16])
-    e_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 2 * EXTRA if EXTRA > 0 else 8, 16])
-    off_m, off_n = _tile_offsets(gl.program_id(0), gl.cdiv(M, BM), BM, BN + EXTRA)
-    acc_g = gl.zeros([BM, BN], gl.float32, layout)
-    acc_u = gl.zeros([BM, BN], gl.float32, layout)
-    acc_e = gl.zeros([BM, 2 * EXTRA if EXTRA > 0 else 8], gl.float32, e_layout)
-    for i in range(num_k):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        xs = x_bufs.index(s)
-        acc_g = warpgroup_mma(xs, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-        acc_u = warpgroup_mma(xs, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-        if EXTRA > 0:
-            acc_e = warpgroup_mma(xs, e_bufs.index(s).permute((1, 0)), acc_e, is_async=True)
-            acc_g, acc_u, acc_e = warpgroup_mma_wait(num_outstanding=3,
-                                                     deps=(acc_g, acc_u, acc_e))
-        else:
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-    acc_g, acc_u, acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, acc_e))
-    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    _silu_store(acc_g, acc_u, Y, M, inter, offs_m, offs_n)
-    if EXTRA > 0:  # split the extra sums' gate and up columns through shared memory
-        scratch = gl.allocate_shared_memory(gl.float32, [BM, 2 * EXTRA],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        scratch.store(acc_e)
-        x_layout: gl.constexpr = gl.BlockedLayout([1, EXTRA], [32, 1], [WARPS, 1], [1, 0])
-        gl.thread_barrier()
-        gate = scratch.slice(0, EXTRA, dim=1).load(x_layout)
-        up = scratch.slice(EXTRA, EXTRA, dim=1).load(x_layout)
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
-        offs_n = off_n + BN + gl.arange(0, EXTRA, layout=gl.SliceLayout(0, x_layout))
-        _silu_store(gate, up, Y, M, inter, offs_m, offs_n)
-
-
-@gluon.jit
-def gate_up_silu_x_on_m(x_desc, w_desc, e_desc, Y, M, inter, K, BM: gl.constexpr,
-                        BN: gl.constexpr, EXTRA: gl.constexpr, BK: gl.constexpr,
-                        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        WARPS: gl.constexpr):
-    """A program a tile of BM x rows x (BN + EXTRA) gate (and up) rows; 64 + 8 cuts the 8,960
-    rows into 125 tiles, one an SM, where 64 makes 140 (eight SMs run two). TMA boxes and
-    tensors are powers of two, hence the EXTRA rows' own box and sum."""
-    num_k = gl.cdiv(K, BK)
-    x_bufs, g_bufs, u_bufs, ready, empty = _ring(x_desc, w_desc, BM, BN, BK, STAGES)
-    e_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * EXTRA if EXTRA > 0 else 8, BK],
-                                       e_desc.layout)
-    gl.warp_specialize(
-        [(_mma_x_on_m, (x_bufs, g_bufs, u_bufs, e_bufs, ready, empty, Y, M, inter, num_k, BM,
-                        BN, EXTRA, STAGES, WARPS)),
-         (_load_x_on_m, (x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, e_bufs, ready, empty,
-                         M, inter, num_k, BM, BN, BK, EXTRA, STAGES))],
-        [1], [PRODUCER_REGS])
-
-
-def launch_x_on_m(x, w, y, BM: int, BN: int, EXTRA: int, BK: int, STAGES: int, warps: int = 4,
-                  regs: int = 40) -> None:
-    import triton
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    M, K = x.shape
-    inter = w.shape[0] // 2
-    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-    e_rows = EXTRA or 8
-    e_layout = gl.NVMMASharedLayout.get_default_for([2 * e_rows, BK], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x, [BM, BK], x_layout)
-    w_desc = TensorDescriptor.from_tensor(w, [BN, BK], w_layout)
-    e_desc = TensorDescriptor.from_tensor(w, [e_rows, BK], e_layout)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(inter, BN + EXTRA),)
-    gate_up_silu_x_on_m[grid](x_desc, w_desc, e_desc, y, M, inter, K, BM=BM, BN=BN, EXTRA=EXTRA,
-                              BK=BK, STAGES=STAGES, PRODUCER_REGS=regs, WARPS=warps,
-                              num_warps=warps)
+def launch_x_on_m(x, w, y, BM: int, BN: int, EXTRA: int, BK: int, STAGES: int,
+                  warps: int = 4) -> None:
+    """The unswapped form: x's rows on wgmma's M side, BN + EXTRA weight rows a program. Its
+    probe form (commit 06d4fff: the extra rows' gate and up in one 16-wide MMA split through
+    shared memory, fp32 exp and `/`) measured 19.59 µs; it became the engine's kernel
+    (rollout/layers/gluon_gate_up.py: two 8-wide MMAs, expf and the IEEE quotient), which
+    these variants now run."""
+    from rollout.layers import gluon_gate_up
+    from rollout.layers.gemv_launch import Config
+    gluon_gate_up.launch(x, w, y, Config(BN + EXTRA, BK, 1, warps, True, STAGES, BM,
+                                         preload=STAGES, gluon=True))
 
 
 def launch_stream_k(x, w, y, workspace, flags, BM: int, BN: int, BK: int, STAGES: int,
@@ -461,10 +355,10 @@ VARIANTS = [  # (x rows, weight rows, K chunk, stages, coalesced stores, program
     # 22.6, bound 18.0; 128 x rows 26.1, bound 17.5 (4 stages) / 17.3 (6) (the table 22.2)
     # Stream-K (43rd session, correct, same bits again): 128 x rows, 6 / 4 stages 24.4 / 24.2,
     # 64 x rows 33.7 (the table 22.25).
-    # X_ON_M: (x rows, weight rows, extra weight rows, K chunk, stages, consumer warps). 43rd
-    # session (same bits as cuBLAS + SiLU, table 22.3): 64 + 8 rows, 6 stages, 4 / 8 warps
-    # 19.85 / 19.59; 64 rows 27.37; 4 stages 20.37; K 128 x 3 stages 20.45; the bound 17.43.
-    # The engine's kernel (rollout/layers/gluon_gate_up.py) is the 64 + 8 form.
+    # X_ON_M: (x rows, weight rows, extra weight rows, K chunk, stages, consumer warps), now the
+    # engine's kernel. Its probe form (43rd session, commit 06d4fff; same bits as cuBLAS + SiLU,
+    # table 22.3): 64 + 8 rows, 6 stages, 4 / 8 warps 19.85 / 19.59; 64 rows 27.37; 4 stages
+    # 20.37; K 128 x 3 stages 20.45; the bound 17.43.
     (128, 64, 8, 64, 6, 4, X_ON_M), (128, 64, 8, 64, 6, 8, X_ON_M),
     (128, 64, 0, 64, 6, 4, X_ON_M), (128, 64, 8, 64, 4, 8, X_ON_M),
     (128, 64, 8, 128, 3, 8, X_ON_M),

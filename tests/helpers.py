@@ -22,6 +22,25 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")(test))
 
 
+class H200CompileTarget:
+    """Just enough of a Triton driver for a jit kernel's `warmup` to compile for sm_90 on a
+    machine without a GPU (nothing launches): `triton.runtime.driver.set_active(...)`. For the
+    Gluon kernels' CPU specs and benchmarks/compile_sm90.py."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 64)
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
 def require_runnable_triton(kernel) -> None:
     """Skip the calling test module when its Triton kernels cannot run here: on CPU they must
     have been decorated under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""

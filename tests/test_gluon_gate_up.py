@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from rollout.layers import gemv_launch, triton_gemv  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_gate_up_silu  # noqa: E402
-from tests.helpers import gpu  # noqa: E402
+from tests.helpers import H200CompileTarget, gpu  # noqa: E402
 
 KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
 
@@ -53,23 +53,6 @@ def test_extra_rows_are_zero_or_a_power_of_two():
             g.extra_rows(Config(block_n, 64, gluon=True))
 
 
-class _H200:
-    """Just enough of a driver for `warmup` to compile for sm_90 (nothing launches)."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 64)
-
-    def get_device_interface(self):
-        return torch.cuda
-
-
 @pytest.mark.parametrize("use_pdl", [0, 1, 2])
 def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl):
     """The table's config compiles to wgmma with the warps split (setmaxnreg); under PDL each
@@ -86,7 +69,7 @@ def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl):
     descs = [TensorDescriptor.from_tensor(t, [r, cfg.block_k], g._layout(r, cfg.block_k))
              for t, r in ((x, cfg.block_m), (w, 64), (w, 8))]
     previous = driver._active  # None until a launch asked for one (on CPU: none to ask)
-    driver.set_active(_H200())
+    driver.set_active(H200CompileTarget())
     try:
         kernel = g._gate_up_silu_kernel.warmup(
             *descs, y, m, inter, k, y.stride(0), BM=cfg.block_m, EXTRA=8, BK=cfg.block_k,
