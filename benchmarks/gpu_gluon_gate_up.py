@@ -1,7 +1,5 @@
-"""The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gemm.py) swept over its configs at
-decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process;
-`--down`: the same kernel as Qwen2-1.5B's down projection (1,536 x 8,960) split along K, beside
-the table and cuBLAS.
+"""The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gate_up.py) swept over its configs at
+decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process.
 
 Qwen2-1.5B's gate/up (17,920 x 1,536), bf16; µs a call in a CUDA graph of back-to-back calls
 rotating weight copies larger than L2 (benchmarks/gpu_gemv.py's timing); every Gluon result is
@@ -35,41 +33,6 @@ def configs(rows: int):
                                  gluon=True)
 
 
-def down_configs():
-    from rollout.layers.triton_gemv import Config
-    for block_n, split in ((128, 11), (96, 8), (64, 5), (128, 8), (128, 6)):
-        for stages in (4, 6):
-            yield Config(block_n, 64, split, 8, True, stages, 128, preload=3, gluon=True)
-
-
-def sweep_down(rows_list, out_path) -> None:
-    """Down at each row count: cuBLAS, the table's path (its split partials summed by the
-    reduce kernel, as the Gluon configs'), the Gluon configs."""
-    from rollout.layers import triton_gemv
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = weight_copies(HIDDEN, INTER, gen)
-    rows_out = []
-    for m in rows_list:
-        x = torch.randn(m, INTER, device="cuda", dtype=torch.bfloat16, generator=gen)
-        ref = F.linear(x, ws[0])
-        row = {"rows": m, "cublas_us": time_per_call(lambda i: F.linear(x, ws[i]), len(ws)) * 1e6,
-               "table_us": time_per_call(lambda i: triton_gemv.skinny_linear(x, ws[i]),
-                                         len(ws)) * 1e6, "gluon": []}
-        for cfg in down_configs():
-            entry = {"config": cfg._asdict(),
-                     "rel_err": rel_err(triton_gemv.skinny_linear(x, ws[0], config=cfg), ref)}
-            if entry["rel_err"] <= 1e-2:
-                entry["us"] = time_per_call(
-                    lambda i: triton_gemv.skinny_linear(x, ws[i], config=cfg), len(ws)) * 1e6
-            row["gluon"].append(entry)
-            print(json.dumps(entry), flush=True)
-        print(f"down, rows {m}: cuBLAS {row['cublas_us']:.2f} µs, table {row['table_us']:.2f}",
-              flush=True)
-        rows_out.append(row)
-        with open(out_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "down": rows_out}, f, indent=1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -78,10 +41,7 @@ def main() -> None:
                    "of the best Gluon config at each power-of-two row count it beats the table "
                    "at by --min-gain, for an engine A/B")
     p.add_argument("--min-gain", type=float, default=1.02)
-    p.add_argument("--down", action="store_true", help="sweep down (split along K) instead")
     args = p.parse_args()
-    if args.down:
-        return sweep_down(args.rows, args.out)
     entries = []
     from rollout.layers import triton_gemv, triton_ops
     gen = torch.Generator(device="cuda").manual_seed(0)
