@@ -229,6 +229,7 @@ GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
                                      prefetch_k=256),
 }
 
+
 def load_tuned(path: str) -> int:
     """Add the entries of a configs file written by `benchmarks/gpu_gemv.py --configs-out` (a
     list of {M, N, K, gated, config: {...} or null}) to `_TUNED`; returns how many. Read at
