@@ -58,8 +58,6 @@ def main() -> None:
 def engine_kernel() -> None:
     """The engine's Gluon gate/up (rollout/layers/gluon_gate_up.py) at its table entry and the
     variants an A/B tries, under each PDL mode; prints whether the PTX waits (griddepcontrol)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from rollout.layers import gluon_gate_up as g
     from rollout.layers.gemv_launch import _config
     m, inter, k = 128, 8960, 1536
@@ -71,15 +69,7 @@ def engine_kernel() -> None:
                      (base._replace(num_warps=4), 2), (base._replace(block_n=64), 2),
                      (base._replace(num_stages=4, preload=4), 2),
                      (base._replace(block_m=64, num_warps=4), 2)):
-        extra = g.extra_rows(cfg)
-        ew = extra or 8
-        descs = [TensorDescriptor.from_tensor(t, [r, cfg.block_k], g._layout(r, cfg.block_k))
-                 for t, r in ((x, cfg.block_m), (w, 64), (w, ew))]
-        kernel = g._gate_up_silu_kernel.warmup(
-            *descs, y, m, inter, k, y.stride(0), BM=cfg.block_m, EXTRA=extra, BK=cfg.block_k,
-            STAGES=cfg.num_stages, PRELOAD=min(cfg.preload, cfg.num_stages),
-            WARPS=cfg.num_warps, USE_PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=False,
-            grid=(triton.cdiv(inter, cfg.block_n),))
+        kernel = g.compile_for_sm90(x, w, y, cfg, pdl)
         ptx = kernel.asm["ptx"]
         print(f"engine {cfg.block_n} rows, {cfg.num_warps} warps, {cfg.num_stages} stages, "
               f"preload {cfg.preload}, PDL {pdl}: shared {kernel.metadata.shared} B, wgmma "

@@ -55,26 +55,19 @@ def test_extra_rows_are_zero_or_a_power_of_two():
 
 @pytest.mark.parametrize("use_pdl", [0, 1, 2])
 def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl):
-    """The table's config compiles to wgmma with the warps split (setmaxnreg); under PDL each
-    partition waits (griddepcontrol.wait: the producer before x's loads, the consumers before
-    their first MMA) and the kernel triggers its successor once."""
+    """The table's config, as `launch` would run it, compiles to wgmma with the warps split
+    (setmaxnreg); under PDL each partition waits (griddepcontrol.wait: the producer before x's
+    loads, the consumers before their first MMA) and the kernel triggers its successor once."""
     g = _gluon()
     from triton.runtime import driver
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    cfg = gemv_launch._TUNED[KEY]
     m, inter, k = 128, 8960, 1536
     x = torch.empty(m, k, dtype=torch.bfloat16)
     w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
     y = torch.empty(m, inter, dtype=torch.bfloat16)
-    descs = [TensorDescriptor.from_tensor(t, [r, cfg.block_k], g._layout(r, cfg.block_k))
-             for t, r in ((x, cfg.block_m), (w, 64), (w, 8))]
     previous = driver._active  # None until a launch asked for one (on CPU: none to ask)
     driver.set_active(H200CompileTarget())
     try:
-        kernel = g._gate_up_silu_kernel.warmup(
-            *descs, y, m, inter, k, y.stride(0), BM=cfg.block_m, EXTRA=8, BK=cfg.block_k,
-            STAGES=cfg.num_stages, PRELOAD=cfg.preload, WARPS=cfg.num_warps, USE_PDL=use_pdl,
-            num_warps=cfg.num_warps, enable_fp_fusion=False, grid=(125,))
+        kernel = g.compile_for_sm90(x, w, y, gemv_launch._TUNED[KEY], use_pdl)
     finally:
         driver._active = previous
     ptx = kernel.asm["ptx"]

@@ -194,10 +194,10 @@ def _layout(rows: int, cols: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """out [M, inter] = silu(x @ gate.T) · (x @ up.T) for the fused [gate | up] weight; bf16,
-    16-byte aligned rows (triton_gemv checked the shapes and the GPU). x's rows in tiles of
-    `Config.block_m` (64: one consumer warpgroup; 128: one or two), zero-filled past M."""
+def _launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config,
+                 use_pdl=None) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keywords) of a launch; `use_pdl` overrides the PDL mode
+    (compile_for_sm90)."""
     M, K = x.shape
     inter = weight.shape[0] // 2
     extra = extra_rows(cfg)
@@ -208,14 +208,28 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config
         raise ValueError(f"the Gluon gate/up takes bf16 x, tiles of 64 or 128 x rows and 4 or 8 "
                          f"consumer warps (16 rows a warp at least): {x.dtype}, block_m {bm}, "
                          f"{cfg.num_warps} warps")
-    x_desc = TensorDescriptor.from_tensor(x, [bm, cfg.block_k], _layout(bm, cfg.block_k))
-    w_desc = TensorDescriptor.from_tensor(weight, [MAIN_N.value, cfg.block_k],
-                                          _layout(MAIN_N.value, cfg.block_k))
-    ew = extra or 8
-    e_desc = TensorDescriptor.from_tensor(weight, [ew, cfg.block_k], _layout(ew, cfg.block_k))
-    pdl = launch_options(preloads_weights=preload > 0)
-    _gate_up_silu_kernel[(triton.cdiv(M, bm) * triton.cdiv(inter, cfg.block_n),)](
-        x_desc, w_desc, e_desc, out, M, inter, K, out.stride(0), BM=bm, EXTRA=extra,
-        BK=cfg.block_k, STAGES=cfg.num_stages, PRELOAD=preload, WARPS=cfg.num_warps,
-        USE_PDL=pdl.pop("USE_PDL"), num_warps=cfg.num_warps, enable_fp_fusion=False, **pdl)
+    descs = [TensorDescriptor.from_tensor(t, [rows, cfg.block_k], _layout(rows, cfg.block_k))
+             for t, rows in ((x, bm), (weight, MAIN_N.value), (weight, extra or 8))]
+    pdl = (launch_options(preloads_weights=preload > 0) if use_pdl is None
+           else {"USE_PDL": use_pdl})
+    grid = (triton.cdiv(M, bm) * triton.cdiv(inter, cfg.block_n),)
+    meta = dict(BM=bm, EXTRA=extra, BK=cfg.block_k, STAGES=cfg.num_stages, PRELOAD=preload,
+                WARPS=cfg.num_warps, num_warps=cfg.num_warps, enable_fp_fusion=False, **pdl)
+    return grid, (*descs, out, M, inter, K, out.stride(0)), meta
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """out [M, inter] = silu(x @ gate.T) · (x @ up.T) for the fused [gate | up] weight; bf16,
+    16-byte aligned rows (triton_gemv checked the shapes and the GPU). x's rows in tiles of
+    `Config.block_m` (64: one consumer warpgroup; 128: one or two), zero-filled past M."""
+    grid, args, meta = _launch_args(x, weight, out, cfg)
+    _gate_up_silu_kernel[grid](*args, **meta)
     return out
+
+
+def compile_for_sm90(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Config,
+                     use_pdl: int):
+    """The kernel `launch` would run, compiled and not run (the active Triton driver names the
+    target: tests.helpers.H200CompileTarget on a machine without a GPU)."""
+    grid, args, meta = _launch_args(x, weight, out, cfg, use_pdl)
+    return _gate_up_silu_kernel.warmup(*args, grid=grid, **meta)
