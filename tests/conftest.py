@@ -63,8 +63,8 @@ def pytest_unconfigure(config):
     interpreter's native teardown. `ray.shutdown()` leaves Ray's gRPC and GCS-client threads
     running in this process (twelve after the whole suite); a static destructor freeing what one of
     them still uses is the likely cause of the CI run that died with SIGSEGV after "954 passed",
-    in that teardown (not reproduced here in three whole runs). Ray ends its own worker processes with `os._exit` for the same reason. Set
-    ROLLOUT_TESTS_NATIVE_TEARDOWN=1 to keep the teardown."""
+    in that teardown (not reproduced on this machine). Ray ends its own worker processes with
+    `os._exit` for the same reason. Set ROLLOUT_TESTS_NATIVE_TEARDOWN=1 to keep the teardown."""
     session = config.stash.get(_SESSION, None)
     if session is not None and os.environ.get("ROLLOUT_TESTS_NATIVE_TEARDOWN") != "1":
         # registered last, so it runs first of the atexit callbacks: after the non-daemon threads
