@@ -2,7 +2,8 @@
 process each, variants alternated, so every variant sees the same machine drift. A variant is
 environment variables and/or skinny-GEMM launch-config entries (written to a file for
 ROLLOUT_SKINNY_CONFIGS, as `gemv_launch.load_tuned` reads it; "configs_file" instead names such a
-file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded; "script" runs
+file, e.g. one a sweep wrote earlier in the same device call: $OUT is expanded; "configs_files"
+several, those missing skipped (a sweep with no winner writes none); "script" runs
 another script that takes decode_throughput.py's arguments, e.g. decode_ablated.py; "tree" runs
 the variant from another source tree, e.g. an earlier commit unpacked from `git archive`, to
 compare code that has no switch: $OUT and ~ are expanded, and the tree goes first on PYTHONPATH). Keys starting
@@ -32,9 +33,13 @@ def variant_env(name: str, spec: dict, tmp: Path) -> dict:
     env.pop("ROLLOUT_SKINNY_CONFIGS", None)
     env.update({k: str(v) for k, v in spec.get("env", {}).items()})
     entries = list(spec.get("configs", []))
-    if spec.get("configs_file"):
-        path = Path(os.path.expandvars(spec["configs_file"]))
-        keep = spec.get("configs_file_keys")  # [[M, N, K, gated], ...]: only these entries
+    keep = spec.get("configs_file_keys")  # [[M, N, K, gated], ...]: only these entries
+    files = spec.get("configs_files", []) + ([spec["configs_file"]]
+                                            if spec.get("configs_file") else [])
+    for file_name in files:
+        path = Path(os.path.expandvars(file_name))
+        if not path.exists() and spec.get("configs_files"):
+            continue  # a sweep that found no winner, or did not finish, wrote none
         for e in json.loads(path.read_text()):
             if keep is None or [e["M"], e["N"], e["K"], e["gated"]] in keep:
                 entries.append(e)

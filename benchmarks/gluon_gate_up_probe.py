@@ -13,7 +13,7 @@ pid + programs, ..., its producer running on into the next tile); and stream-K
 chunks summed by a helper whose fp32 sums its owner adds behind a release / acquire flag).
 A fourth form (forty-third session, `launch_x_on_m`): unswapped, x's rows on wgmma's M side and
 64 + 8 weight rows on N, so that 125 tiles make one an SM; it became the engine's kernel,
-rollout/layers/gluon_gate_up.py, which those variants now run. `benchmarks/compile_sm90.py` compiles every variant for
+rollout/layers/gluon_gemm.py, which those variants now run. `benchmarks/compile_sm90.py` compiles every variant for
 sm_90 without a GPU.
 
 Each variant runs in a child process with a time limit (a deadlock never returns); its output
@@ -252,9 +252,9 @@ def launch_x_on_m(x, w, y, BM: int, BN: int, EXTRA: int, BK: int, STAGES: int,
     """The unswapped form: x's rows on wgmma's M side, BN + EXTRA weight rows a program. Its
     probe form (commit 06d4fff: the extra rows' gate and up in one 16-wide MMA split through
     shared memory, fp32 exp and `/`) measured 19.59 µs; it became the engine's kernel
-    (rollout/layers/gluon_gate_up.py: two 8-wide MMAs, expf and the IEEE quotient), which
+    (rollout/layers/gluon_gemm.py: two 8-wide MMAs, expf and the IEEE quotient), which
     these variants now run."""
-    from rollout.layers import gluon_gate_up
+    from rollout.layers import gluon_gemm
     from rollout.layers.gemv_launch import Config
     gluon_gate_up.launch(x, w, y, Config(BN + EXTRA, BK, 1, warps, True, STAGES, BM,
                                          preload=STAGES, gluon=True))

@@ -1,11 +1,16 @@
-"""The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gate_up.py) swept over its configs at
-decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process.
+"""The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gemm.py) swept over its configs at
+decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process;
+`--proj down|o|qkv`: the same kernel as one of Qwen2-1.5B's plain projections (down 1,536 x
+8,960, o 1,536 x 1,536, qkv 2,048 x 1,536 with its bias) split along K, beside the table and
+cuBLAS.
 
 Qwen2-1.5B's gate/up (17,920 x 1,536), bf16; µs a call in a CUDA graph of back-to-back calls
 rotating weight copies larger than L2 (benchmarks/gpu_gemv.py's timing); every Gluon result is
 first checked against cuBLAS + silu_and_mul (relative error <= 1e-2, else not timed).
 
   python benchmarks/gpu_gluon_gate_up.py --out $OUT/gluon_gate_up_sweep.json
+  python benchmarks/gpu_gluon_gate_up.py --proj o --rows 128 --out $OUT/o.json \
+      --configs-out $OUT/o_configs.json
 """
 from __future__ import annotations
 
@@ -33,6 +38,61 @@ def configs(rows: int):
                                  gluon=True)
 
 
+# plain projections of Qwen2-1.5B: (weight rows N, K, has bias)
+PROJECTIONS = {"down": (HIDDEN, INTER, False), "o": (HIDDEN, HIDDEN, False),
+               "qkv": (2048, HIDDEN, True)}
+# (weight rows a program, K ranges) per projection: about one program an SM at 128 rows
+_PROJECTION_TILES = {"down": ((128, 11), (96, 8), (64, 5), (128, 8), (128, 6)),
+                     "o": ((64, 4), (64, 5), (128, 8), (64, 3), (96, 8)),
+                     "qkv": ((64, 4), (128, 8), (64, 2), (128, 6), (64, 3))}
+
+
+def projection_configs(proj: str):
+    from rollout.layers.triton_gemv import Config
+    for block_n, split in _PROJECTION_TILES[proj]:
+        for stages in (4, 6):
+            yield Config(block_n, 64, split, 8, True, stages, 128, preload=3, gluon=True)
+
+
+def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: float) -> None:
+    """A plain projection at each row count: cuBLAS, the table's path, the Gluon configs (the
+    split ones' partials summed by the reduce kernel, as the table's; in the engine their reader
+    sums them). With `configs_out`, the best Gluon config at each power-of-two row count where
+    it beats the table by `min_gain`."""
+    from rollout.layers import triton_gemv
+    n, k, has_bias = PROJECTIONS[proj]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = weight_copies(n, k, gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen) if has_bias else None
+    rows_out, entries = [], []
+    for m in rows_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = F.linear(x, ws[0], b)
+        row = {"rows": m,
+               "cublas_us": time_per_call(lambda i: F.linear(x, ws[i], b), len(ws)) * 1e6,
+               "table_us": time_per_call(lambda i: triton_gemv.skinny_linear(x, ws[i], b),
+                                         len(ws)) * 1e6, "gluon": []}
+        for cfg in projection_configs(proj):
+            entry = {"config": cfg._asdict(),
+                     "rel_err": rel_err(triton_gemv.skinny_linear(x, ws[0], b, config=cfg), ref)}
+            if entry["rel_err"] <= 1e-2:
+                entry["us"] = time_per_call(
+                    lambda i: triton_gemv.skinny_linear(x, ws[i], b, config=cfg), len(ws)) * 1e6
+            row["gluon"].append(entry)
+            print(json.dumps(entry), flush=True)
+        best = min((e for e in row["gluon"] if "us" in e), key=lambda e: e["us"], default=None)
+        print(f"{proj}, rows {m}: cuBLAS {row['cublas_us']:.2f} µs, table {row['table_us']:.2f}, "
+              f"best Gluon {best['us'] if best else float('nan'):.2f}", flush=True)
+        rows_out.append(row)
+        if best and m & (m - 1) == 0 and best["us"] * min_gain <= row["table_us"]:
+            entries.append({"M": m, "N": n, "K": k, "gated": False, "config": best["config"]})
+        with open(out_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), proj: rows_out}, f, indent=1)
+    if configs_out:
+        with open(configs_out, "w") as f:
+            json.dump(entries, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -41,7 +101,11 @@ def main() -> None:
                    "of the best Gluon config at each power-of-two row count it beats the table "
                    "at by --min-gain, for an engine A/B")
     p.add_argument("--min-gain", type=float, default=1.02)
+    p.add_argument("--proj", choices=sorted(PROJECTIONS), default=None,
+                   help="sweep this plain projection (split along K) instead of gate/up")
     args = p.parse_args()
+    if args.proj:
+        return sweep_projection(args.proj, args.rows, args.out, args.configs_out, args.min_gain)
     entries = []
     from rollout.layers import triton_gemv, triton_ops
     gen = torch.Generator(device="cuda").manual_seed(0)

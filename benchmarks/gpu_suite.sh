@@ -985,10 +985,10 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # the engine's Gluon gate/up: the engine A/B at batch 128, then its GPU specs
     q43c) make_model q43make qwen2-1.5b 90
           ab_stage q43ab benchmarks/ab_fortythird_session.json 330 128
-          run q43spec 150 python3 -m pytest -q -m gpu tests/test_gluon_gate_up.py tests/test_triton_pdl.py \
+          run q43spec 150 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_pdl.py \
               tests/test_triton_gemv.py -k "gluon or gate_up or 128 or prefetch" -p no:cacheprovider ;;
     # the final code's Gluon specs, then a second decode-table run
-    q43e) run q43spec3 150 python3 -m pytest -q -m gpu tests/test_gluon_gate_up.py tests/test_triton_pdl.py \
+    q43e) run q43spec3 150 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_pdl.py \
               tests/test_triton_gemv.py -k "gluon or gate_up or 128 or prefetch" -p no:cacheprovider
           run decode2 420 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
               --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 --repeats 2 \
@@ -996,6 +996,21 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # the Gluon gate/up entry against the TMA one again, three rounds
     q43f) make_model q43make qwen2-1.5b 90
           ROUNDS=3 ab_stage q43ab3 benchmarks/ab_fortythird_session_c.json 330 128 ;;
+    # the Gluon GEMM as down split along K: its specs (and gate/up's after the refactor), alone,
+    # in the engine
+    q43g) run q43gspec 80 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
+          run q43gdown 50 python3 benchmarks/gpu_gluon_gate_up.py --proj down --rows 128 --out "$OUT/q43gdown.json"
+          make_model q43make qwen2-1.5b 40
+          ROUNDS=1 ab_stage q43ab4 benchmarks/ab_fortythird_session_d.json 110 128 ;;
+    # the Gluon GEMM as down, o and qkv at 128 rows: its GPU specs, each projection's sweep (its
+    # best config where it beats the table alone), those winners in the engine (one round)
+    q45a) run q45spec 120 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
+          for p in down o qkv; do
+            run "q45$p" 70 python3 benchmarks/gpu_gluon_gate_up.py --proj "$p" --rows 128 \
+                --min-gain 1.0 --out "$OUT/q45$p.json" --configs-out "$OUT/q45${p}_configs.json"
+          done
+          make_model q45make qwen2-1.5b 60
+          ROUNDS=${ROUNDS:-1} ab_stage q45ab benchmarks/ab_fortyfifth_session.json 200 128 ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
     q43d) run q43sweep 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/q43sweep.json" \
               --configs-out "$OUT/q43sweep_configs.json"

@@ -1,4 +1,4 @@
-"""The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, gluon_gate_up,
+"""The skinny GEMMs' launch configs (triton_gemv, triton_gemm_tma, gluon_gemm,
 triton_qkv_rope): the `Config` of a launch, the table measured on an H200 for the Qwen2-1.5B and
 Qwen3-1.7B decode shapes (`_TUNED`, one entry per (rows rounded up to a power of two, N, K,
 gated); None: cuBLAS measured faster), what a GPU that cannot run its Gluon entries takes
@@ -41,7 +41,7 @@ class Config(NamedTuple):
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
     gluon: bool = False  # the gated GEMM at 65-128 rows as the warp-specialized Gluon kernel
-    # (rollout/layers/gluon_gate_up.py; Hopper): block_n = 64 + extra weight rows a program,
+    # (rollout/layers/gluon_gemm.py; Hopper): block_n = 64 + extra weight rows a program,
     # num_warps its consumer warps (4 or 8), num_stages its shared-memory ring, preload the
     # stages whose weight tiles load before the PDL wait; other GPUs take GLUON_FALLBACK
 

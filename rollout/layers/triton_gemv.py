@@ -9,7 +9,7 @@ coalesced along K, and use it for all M rows, so the weight is read exactly once
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
 triton_gemm_tma: the fused gate/up + SiLU at 33-64 rows (65-128: the warp-specialized Gluon
-kernel, `Config.gluon`, rollout/layers/gluon_gate_up.py), qkv and o at 17-128 rows where
+kernel, `Config.gluon`, rollout/layers/gluon_gemm.py), qkv and o at 17-128 rows where
 cuBLAS's ~5-6 µs is latency, not bandwidth, and down at 17-128 rows and o at 17-128 rows
 split along K, their partials summed by the add + norm that reads them, qkv at 17-32 rows by the
 rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and
@@ -369,7 +369,7 @@ def _gluon_runs(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_gluon_hopper() -> bool:
     try:
-        from rollout.layers import gluon_gate_up  # noqa: F401
+        from rollout.layers import gluon_gemm  # noqa: F401
     except ImportError:
         return False
     return True
@@ -419,10 +419,8 @@ def _launch(x, weight, bias, out, gated: bool, config: Optional[Config],
     cfg = config or _runnable(_config(M, weight.shape[0], K, gated),
                               _table_key(x, weight, gated), x) or BATCH_HEURISTIC
     if cfg.gluon:
-        if not gated:
-            raise ValueError("the Gluon kernel is the gated GEMM's (gate/up + SiLU)")
-        from rollout.layers import gluon_gate_up
-        return gluon_gate_up.launch(x, weight, out, cfg)
+        from rollout.layers import gluon_gemm
+        return gluon_gemm.launch(x, weight, out, gated, cfg, defer_split, bias)
     if cfg.tma:
         from rollout.layers import triton_gemm_tma  # imports this module
         return triton_gemm_tma.launch(x, weight, bias, out, gated, cfg, defer_split)

@@ -1,4 +1,4 @@
-"""Spec: the warp-specialized Gluon gate/up + SiLU (rollout/layers/gluon_gate_up.py), the table's
+"""Spec: the warp-specialized Gluon gate/up + SiLU (rollout/layers/gluon_gemm.py), the table's
 entry for Qwen2-1.5B's gate/up at 65-128 rows on a Hopper GPU.
 
 Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
@@ -20,14 +20,16 @@ from rollout.layers.triton_gemv import Config, skinny_gate_up_silu  # noqa: E402
 from tests.helpers import H200CompileTarget, gpu  # noqa: E402
 
 KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
+# down at 128 rows split along K: 12 tiles of 128 weight rows x 11 K ranges = 132 programs
+DOWN = Config(128, 64, 11, 8, True, 6, 128, preload=3, gluon=True)
 
 
 def _gluon():
     try:
-        from rollout.layers import gluon_gate_up
+        from rollout.layers import gluon_gemm
     except ImportError:
         pytest.skip("this Triton has no Gluon Hopper module")
-    return gluon_gate_up
+    return gluon_gemm
 
 
 def test_table_names_the_gluon_kernel_and_its_fallback():
@@ -44,30 +46,34 @@ def test_table_names_the_gluon_kernel_and_its_fallback():
     assert triton_gemv._runnable(fallback, KEY, x) == fallback  # other entries pass through
 
 
-def test_extra_rows_are_zero_or_a_power_of_two():
+def test_tile_rows_are_a_power_of_two_and_extra_rows():
     g = _gluon()
-    for block_n, extra in ((64, 0), (72, 8), (80, 16), (96, 32)):
-        assert g.extra_rows(Config(block_n, 64, gluon=True)) == extra
-    for block_n in (32, 60, 68, 100):
+    for block_n, tile in ((64, (64, 0)), (72, (64, 8)), (80, (64, 16)), (96, (64, 32)),
+                          (128, (128, 0)), (192, (128, 64))):
+        assert g.tile_rows(Config(block_n, 64, gluon=True)) == tile
+    for block_n in (32, 60, 68, 100, 512):
         with pytest.raises(ValueError, match="block_n"):
-            g.extra_rows(Config(block_n, 64, gluon=True))
+            g.tile_rows(Config(block_n, 64, gluon=True))
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("use_pdl", [0, 1, 2])
-def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl):
-    """The table's config, as `launch` would run it, compiles to wgmma with the warps split
-    (setmaxnreg); under PDL each partition waits (griddepcontrol.wait: the producer before x's
-    loads, the consumers before their first MMA) and the kernel triggers its successor once."""
+def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl, gated):
+    """The table's configs (gate/up; down split along K), as `launch` would run them, compile
+    to wgmma with the warps split (setmaxnreg); under PDL each partition waits
+    (griddepcontrol.wait: the producer before x's loads, the consumers before their first MMA)
+    and the kernel triggers its successor once."""
     g = _gluon()
     from triton.runtime import driver
-    m, inter, k = 128, 8960, 1536
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(2 * inter, k, dtype=torch.bfloat16)
-    y = torch.empty(m, inter, dtype=torch.bfloat16)
+    n, k = (17920, 1536) if gated else (1536, 8960)
+    cfg = gemv_launch._TUNED[KEY] if gated else DOWN
+    x = torch.empty(128, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    y = torch.empty(128, n // 2 if gated else n, dtype=torch.bfloat16)
     previous = driver._active  # None until a launch asked for one (on CPU: none to ask)
     driver.set_active(H200CompileTarget())
     try:
-        kernel = g.compile_for_sm90(x, w, y, gemv_launch._TUNED[KEY], use_pdl)
+        kernel = g.compile_for_sm90(x, w, y, gated, cfg, use_pdl)
     finally:
         driver._active = previous
     ptx = kernel.asm["ptx"]
@@ -147,3 +153,52 @@ def test_gpu_tilings_and_pdl_variants_give_the_same_bits():
         out = skinny_gate_up_silu(x, w, inter, config=base)
     graph.replay()
     assert torch.equal(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [65, 128])
+def test_gpu_projection_split_along_k(rows):
+    """A plain projection (down's shape, K = 8,960): split in 11 and 8 (fp32 partials summed in
+    split order by the reduce kernel, or handed to their reader: the same sums), unsplit, 96 =
+    64 + 32 rows a program; within 1e-2 of F.linear, eager and from a CUDA graph."""
+    _hopper()
+    from rollout.layers.triton_gemv import skinny_linear
+    n, k = 1536, 8960
+    w = rand(n, k, seed=9) * k ** -0.5
+    x = rand(rows, k, seed=rows)
+    ref = F.linear(x, w)
+    for cfg in (DOWN, DOWN._replace(block_n=96, split_k=8), DOWN._replace(split_k=1)):
+        out = skinny_linear(x, w, config=cfg)
+        assert rel_err(out, ref) <= 1e-2, cfg
+        if cfg.split_k > 1:
+            deferred = skinny_linear(x, w, config=cfg, defer_split=True)
+            assert deferred.partials.shape[0] == cfg.split_k
+            assert torch.equal(deferred.tensor(), out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = skinny_linear(x, w, config=DOWN)
+    graph.replay()
+    assert torch.equal(replayed, skinny_linear(x, w, config=DOWN))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["qkv", "o"])
+def test_gpu_qkv_and_o_split_along_k(name):
+    """qkv's shape (with its bias, which only the partials' sum can add: unsplit, it is
+    refused) and o's at 128 rows, split in 4 and 8 with 64 or 128 weight rows a program; within
+    1e-2 of F.linear, and the deferred partials (+ bias) sum to the same bits."""
+    _hopper()
+    from rollout.layers.triton_gemv import skinny_linear
+    n, k = (2048, 1536) if name == "qkv" else (1536, 1536)
+    w = rand(n, k, seed=11) * k ** -0.5
+    b = rand(n, seed=12) if name == "qkv" else None
+    x = rand(128, k, seed=13)
+    ref = F.linear(x, w, b)
+    for cfg in (DOWN._replace(block_n=64, split_k=4), DOWN._replace(split_k=8)):
+        out = skinny_linear(x, w, b, config=cfg)
+        assert rel_err(out, ref) <= 1e-2, cfg
+        assert torch.equal(skinny_linear(x, w, b, config=cfg, defer_split=True).tensor(), out)
+    if b is not None:
+        with pytest.raises(ValueError, match="bias"):
+            skinny_linear(x, w, b, config=DOWN._replace(split_k=1))
