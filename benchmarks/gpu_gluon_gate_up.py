@@ -47,14 +47,24 @@ _PROJECTION_TILES = {"down": ((128, 11), (96, 8), (64, 5), (128, 8), (128, 6)),
                      "qkv": ((64, 4), (128, 8), (64, 2), (128, 6), (64, 3))}
 
 
-def projection_configs(proj: str):
+def projection_configs(proj: str, wide: bool = False):
+    """8 consumer warps on 128-row x tiles, 4 or 6 stages, 3 preloaded; `wide`: also 4 warps,
+    64-row x tiles (two M blocks), 8 stages, every stage preloaded, and the tiles at half the
+    split."""
     from rollout.layers.triton_gemv import Config
-    for block_n, split in _PROJECTION_TILES[proj]:
-        for stages in (4, 6):
-            yield Config(block_n, 64, split, 8, True, stages, 128, preload=3, gluon=True)
+    tiles = _PROJECTION_TILES[proj]
+    if wide:
+        tiles += tuple((n, max(1, split // 2)) for n, split in tiles)
+    for block_n, split in dict.fromkeys(tiles):
+        for block_m, warps in ((128, 8), (128, 4), (64, 4)) if wide else ((128, 8),):
+            for stages in (4, 6, 8) if wide else (4, 6):
+                for preload in (3, stages) if wide else (3,):
+                    yield Config(block_n, 64, split, warps, True, stages, block_m,
+                                 preload=preload, gluon=True)
 
 
-def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: float) -> None:
+def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: float,
+                     wide: bool = False) -> None:
     """A plain projection at each row count: cuBLAS, the table's path, the Gluon configs (the
     split ones' partials summed by the reduce kernel, as the table's; in the engine their reader
     sums them). With `configs_out`, the best Gluon config at each power-of-two row count where
@@ -72,7 +82,7 @@ def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: floa
                "cublas_us": time_per_call(lambda i: F.linear(x, ws[i], b), len(ws)) * 1e6,
                "table_us": time_per_call(lambda i: triton_gemv.skinny_linear(x, ws[i], b),
                                          len(ws)) * 1e6, "gluon": []}
-        for cfg in projection_configs(proj):
+        for cfg in projection_configs(proj, wide):
             entry = {"config": cfg._asdict(),
                      "rel_err": rel_err(triton_gemv.skinny_linear(x, ws[0], b, config=cfg), ref)}
             if entry["rel_err"] <= 1e-2:
@@ -103,9 +113,11 @@ def main() -> None:
     p.add_argument("--min-gain", type=float, default=1.02)
     p.add_argument("--proj", choices=sorted(PROJECTIONS), default=None,
                    help="sweep this plain projection (split along K) instead of gate/up")
+    p.add_argument("--wide", action="store_true", help="--proj: more warps, tiles and stages")
     args = p.parse_args()
     if args.proj:
-        return sweep_projection(args.proj, args.rows, args.out, args.configs_out, args.min_gain)
+        return sweep_projection(args.proj, args.rows, args.out, args.configs_out, args.min_gain,
+                                args.wide)
     entries = []
     from rollout.layers import triton_gemv, triton_ops
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1011,6 +1011,14 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           done
           make_model q45make qwen2-1.5b 60
           ROUNDS=${ROUNDS:-1} ab_stage q45ab benchmarks/ab_fortyfifth_session.json 200 128 ;;
+    # qkv on the Gluon GEMM (q45a's winner) and a wider qkv / o sweep's, three rounds
+    q45b) for p in qkv o; do
+            run "q45b$p" 170 python3 benchmarks/gpu_gluon_gate_up.py --proj "$p" --wide --rows 128 \
+                --min-gain 1.0 --out "$OUT/q45b$p.json" --configs-out "$OUT/q45b${p}_configs.json"
+            tail -n 1 "$OUT/q45b$p.log"
+          done
+          make_model q45make qwen2-1.5b 60
+          ROUNDS=${ROUNDS:-3} ab_stage q45ab2 benchmarks/ab_fortyfifth_session_b.json 240 128 ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
     q43d) run q43sweep 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/q43sweep.json" \
               --configs-out "$OUT/q43sweep_configs.json"
