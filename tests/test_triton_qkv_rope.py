@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout.layers import triton_gemv, triton_ops, triton_qkv_rope  # noqa: E402
+from rollout.layers import gemv_launch, triton_gemv, triton_ops, triton_qkv_rope  # noqa: E402
 from rollout.layers.triton_gemv import Config  # noqa: E402
 from rollout.layers.triton_qkv_rope import QKVHeads, fused_config, qkv_rope  # noqa: E402
 from tests.helpers import DEV, gpu, require_runnable_triton  # noqa: E402
@@ -127,6 +127,21 @@ def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
     assert fused_config(x, w, heads) is None
 
 
+def test_fused_config_never_takes_a_gluon_entry(monkeypatch):
+    """At 65-128 rows the table names the Gluon GEMM (no rotary epilogue): where it runs, no
+    fused config; where it cannot (here: no GPU), the TMA entry it replaced, unsplit."""
+    heads = QKVHeads(q=12, kv=2, dim=128)
+    w = torch.zeros(2048, 1536, device=DEV, dtype=torch.bfloat16)
+    batch = torch.zeros(100, 1536, device=DEV, dtype=torch.bfloat16)
+    key = (128, 2048, 1536, False)
+    assert triton_gemv._config(100, 2048, 1536).gluon
+    monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "1")
+    monkeypatch.setattr(triton_gemv, "_gluon_runs", lambda device: False)
+    assert fused_config(batch, w, heads) == gemv_launch.GLUON_FALLBACK[key]
+    monkeypatch.setattr(triton_gemv, "_gluon_runs", lambda device: True)
+    assert fused_config(batch, w, heads) is None
+
+
 def test_bad_inputs_are_refused():
     heads = QKVHeads(q=3, kv=2, dim=16)
     x, w, b, cos, sin, loc = case(1, heads, 32, torch.float32, True)
@@ -149,12 +164,14 @@ def test_bad_inputs_are_refused():
 @gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 32, 64, 128])
 def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph(rows, monkeypatch):
-    """The engine's configs (one row and small batches of 2-4: FMA; 64-128: TMA; 32: the table's
-    TMA config unsplit), against the plain GEMM with the same config and the rotary kernel."""
+    """The engine's configs (one row and small batches of 2-4: FMA; 64: TMA; 32: the table's
+    TMA config unsplit; 128: the TMA entry the Gluon GEMM replaced), against the plain GEMM with
+    the same config and the rotary kernel."""
     heads = QKVHeads(q=12, kv=2, dim=128)
     x, w, b, cos, sin, loc = case(rows, heads, 1536, torch.bfloat16, True, seed=5)
     key = (rows, 2048, 1536, False)
-    monkeypatch.setitem(triton_gemv._TUNED, key, triton_gemv._config(*key)._replace(split_k=1))
+    table = gemv_launch.GLUON_FALLBACK.get(key) or triton_gemv._config(*key)
+    monkeypatch.setitem(triton_gemv._TUNED, key, table._replace(split_k=1))
     cfg = fused_config(x, w, heads)
     assert cfg is not None and cfg.tma == (rows > 16)
     expected = unfused(x, w, b, cos, sin, loc, heads, cfg, torch.bfloat16)

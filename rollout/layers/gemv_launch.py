@@ -40,7 +40,7 @@ class Config(NamedTuple):
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
-    gluon: bool = False  # the gated GEMM at 65-128 rows as the warp-specialized Gluon kernel
+    gluon: bool = False  # a GEMM at 65-128 rows as the warp-specialized Gluon kernel
     # (rollout/layers/gluon_gemm.py; Hopper): block_n = 64 + extra weight rows a program,
     # num_warps its consumer warps (4 or 8), num_stages its shared-memory ring, preload the
     # stages whose weight tiles load before the PDL wait; other GPUs take GLUON_FALLBACK
@@ -110,7 +110,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # split in 3 slower at all three)
     (32, 2048, 1536, False): _TMA_QKV_O._replace(split_k=2),
     (64, 2048, 1536, False): _TMA_QKV_O,
-    (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # L2 prefetch: gate/up's
+    # 65-128 rows (forty-fifth session): the Gluon GEMM (x's rows on wgmma's M side), 64 weight
+    # rows a program split along K in 3 (32 x 3 = 96 programs), its partials and bias summed by
+    # the rotary kernel. Alone 5.60 µs vs 5.93 for the TMA entry it replaced (GLUON_FALLBACK)
+    # and 5.73 for cuBLAS (benchmarks/gpu_gluon_gate_up.py --proj qkv); in the engine
+    # (benchmarks/ab_fortyfifth_session.json, _b.json) the batch-128 decode graph 1.7040 ->
+    # 1.6797 ms (three rounds each, ranges 1.7036-1.7054 and 1.6791-1.6804). On the same kernel
+    # o (5.24 vs the table's 5.11) and down (12.91 vs 12.35, cuBLAS 11.98) did not win alone.
+    (128, 2048, 1536, False): Config(64, 64, 3, 8, True, 6, 128, preload=3, gluon=True),
     (256, 2048, 1536, False): None,
     # o at decode batches split along K, its partials summed by the post-attention add + RMSNorm
     # (thirteenth session, benchmarks/gpu_split_norm.py --shape o: o + add-norm at 32 / 64 / 128
@@ -227,6 +234,7 @@ BATCH_HEURISTIC = Config(64, 64, 1, 4, True, 3, 64)  # a decode batch: 64-row te
 GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
+    (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # qkv: the whole rows
 }
 
 

@@ -168,12 +168,16 @@ def fused_config(x: torch.Tensor, weight: torch.Tensor,
                  heads: QKVHeads) -> Optional[triton_gemv.Config]:
     """The plain GEMM's launch config when this module can take its place, else None: an FMA
     config (one row) or a TMA config (decode batches) not swapped, both unsplit (the epilogue
-    needs the whole sums), whose rows per program pair up within a head's half.
+    needs the whole sums), whose rows per program pair up within a head's half (a Gluon entry:
+    None where this GPU runs it, else the entry it replaced).
     The caller has checked `triton_gemv.supports` (so TMA can read x and the weight)."""
     if not (FUSED_QKV_ROPE != "0" and heads.dim % 2 == 0
             and weight.shape[0] == (heads.q + 2 * heads.kv) * heads.dim):
         return None
-    cfg = triton_gemv._config(x.shape[0], weight.shape[0], x.shape[1])
+    cfg = triton_gemv._runnable(triton_gemv._config(x.shape[0], weight.shape[0], x.shape[1]),
+                                triton_gemv._table_key(x, weight, False), x)
+    if cfg is None or cfg.gluon:  # the Gluon GEMM has no rotary epilogue
+        return None
     pairs = cfg.block_n // 2
     if cfg.block_n % 2 or (heads.dim // 2) % pairs:
         return None
