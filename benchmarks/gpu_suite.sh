@@ -1021,13 +1021,13 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           ROUNDS=${ROUNDS:-3} ab_stage q45ab2 benchmarks/ab_fortyfifth_session_b.json 240 128 ;;
     # qkv at 65-128 rows on the Gluon GEMM in the table: the GPU specs its path runs through, a
     # wider qkv sweep, the A/B against the entry it replaced and the sweep's best
-    q45c) run q45cspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
+    q45c) run q45cspec 150 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
               tests/test_triton_qkv_rope.py tests/test_triton_pdl.py tests/test_triton_gemv.py \
               -k "gluon or 128 or split or qkv" -p no:cacheprovider
-          run q45cqkv 170 python3 benchmarks/gpu_gluon_gate_up.py --proj qkv --wide --rows 128 \
+          run q45cqkv 150 python3 benchmarks/gpu_gluon_gate_up.py --proj qkv --wide --rows 128 \
               --min-gain 1.0 --out "$OUT/q45cqkv.json" --configs-out "$OUT/q45cqkv_configs.json"
           tail -n 1 "$OUT/q45cqkv.log"
-          make_model q45make qwen2-1.5b 60
+          make_model q45make qwen2-1.5b 50
           ROUNDS=${ROUNDS:-2} ab_stage q45ab3 benchmarks/ab_fortyfifth_session_c.json 200 128 ;;
     # the decode table (engine vs HF generate) on the final code
     q45d) run decode 420 python3 benchmarks/decode_throughput.py --shape qwen2-1.5b --device cuda \
