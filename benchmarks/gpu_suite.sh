@@ -1020,7 +1020,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           make_model q45make qwen2-1.5b 60
           ROUNDS=${ROUNDS:-3} ab_stage q45ab2 benchmarks/ab_fortyfifth_session_b.json 240 128 ;;
     # qkv at 65-128 rows on the Gluon GEMM in the table: the GPU specs its path runs through, the
-    # decode table, the A/B against the entry it replaced (a wider qkv sweep: stage q45w)
+    # decode table, the A/B against the entry it replaced
+    # a wider qkv sweep, its best in the engine where it beats the table's entry alone
     q45c) run q45cspec 130 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
               tests/test_triton_qkv_rope.py tests/test_triton_pdl.py tests/test_triton_gemv.py \
               -k "gluon or 128 or split or qkv" -p no:cacheprovider
@@ -1030,7 +1031,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           make_model q45make qwen2-1.5b 40
           ROUNDS=${ROUNDS:-2} ab_stage q45ab3 benchmarks/ab_fortyfifth_session_c.json 120 128 ;;
     q45w) run q45wqkv 150 python3 benchmarks/gpu_gluon_gate_up.py --proj qkv --wide --rows 128 \
-              --min-gain 1.0 --out "$OUT/q45wqkv.json" --configs-out "$OUT/q45wqkv_configs.json" ;;
+              --min-gain 1.0 --out "$OUT/q45wqkv.json" --configs-out "$OUT/q45wqkv_configs.json"
+          tail -n 1 "$OUT/q45wqkv.log"
+          if [ "$(cat "$OUT/q45wqkv_configs.json" 2>/dev/null)" != "[]" ]; then
+            make_model q45make qwen2-1.5b 40
+            ROUNDS=${ROUNDS:-2} ab_stage q45ab4 benchmarks/ab_fortyfifth_session_d.json 120 128; fi ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
     q43d) run q43sweep 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/q43sweep.json" \
               --configs-out "$OUT/q43sweep_configs.json"
