@@ -1,5 +1,5 @@
-"""Spec: the warp-specialized Gluon gate/up + SiLU (rollout/layers/gluon_gemm.py), the table's
-entry for Qwen2-1.5B's gate/up at 65-128 rows on a Hopper GPU.
+"""Spec: the warp-specialized Gluon GEMM (rollout/layers/gluon_gemm.py), the table's entry for
+Qwen2-1.5B's gate/up + SiLU and its qkv (split along K) at 65-128 rows on a Hopper GPU.
 
 Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
 kernel and the entry it replaced (what other GPUs take), the tile widths it refuses, and the
@@ -20,6 +20,7 @@ from rollout.layers.triton_gemv import Config, skinny_gate_up_silu  # noqa: E402
 from tests.helpers import H200CompileTarget, gpu  # noqa: E402
 
 KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
+QKV_KEY = (128, 2048, 1536, False)  # its qkv
 # down at 128 rows split along K: 12 tiles of 128 weight rows x 11 K ranges = 132 programs
 DOWN = Config(128, 64, 11, 8, True, 6, 128, preload=3, gluon=True)
 
@@ -32,17 +33,19 @@ def _gluon():
     return gluon_gemm
 
 
-def test_table_names_the_gluon_kernel_and_its_fallback():
-    """The entry at 65-128 rows is the Gluon kernel; a GPU that cannot run it (here: no GPU)
-    gets the TMA entry it replaced."""
-    cfg = gemv_launch._TUNED[KEY]
-    assert cfg.gluon and not cfg.tma and cfg.block_n == 72
+@pytest.mark.parametrize("key", [KEY, QKV_KEY])
+def test_table_names_the_gluon_kernel_and_its_fallback(key):
+    """The gate/up and qkv entries at 65-128 rows are the Gluon kernel (qkv split along K, as
+    its bias needs); a GPU that cannot run it (here: no GPU) gets the TMA entry it replaced."""
+    cfg = gemv_launch._TUNED[key]
+    assert cfg.gluon and not cfg.tma
+    assert (cfg.block_n, cfg.split_k) == ((72, 1) if key[3] else (64, 3))
     for rows in (65, 100, 128):
-        assert gemv_launch._config(rows, 17920, 1536, True) == cfg
-    fallback = gemv_launch.GLUON_FALLBACK[KEY]
+        assert gemv_launch._config(rows, *key[1:]) == cfg
+    fallback = gemv_launch.GLUON_FALLBACK[key]
     assert fallback.tma and not fallback.gluon
     x = torch.zeros(100, 1536, dtype=torch.bfloat16)
-    assert triton_gemv._runnable(cfg, KEY, x) == fallback
+    assert triton_gemv._runnable(cfg, key, x) == fallback
     assert triton_gemv._runnable(fallback, KEY, x) == fallback  # other entries pass through
 
 
