@@ -41,7 +41,8 @@ class Config(NamedTuple):
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
     gluon: bool = False  # a GEMM at 65-128 rows as the warp-specialized Gluon kernel
-    # (rollout/layers/gluon_gemm.py; Hopper): block_n = 64 + extra weight rows a program,
+    # (rollout/layers/gluon_gemm.py; Hopper): block_n = a power of two of 64-256 weight rows a
+    # program + 0 or a power of two of extra rows (gluon_gemm.tile_rows),
     # num_warps its consumer warps (4 or 8), num_stages its shared-memory ring, preload the
     # stages whose weight tiles load before the PDL wait; other GPUs take GLUON_FALLBACK
 
