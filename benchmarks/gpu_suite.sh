@@ -1036,6 +1036,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           if [ "$(cat "$OUT/q45wqkv_configs.json" 2>/dev/null)" != "[]" ]; then
             make_model q45make qwen2-1.5b 40
             ROUNDS=${ROUNDS:-2} ab_stage q45ab4 benchmarks/ab_fortyfifth_session_d.json 120 128; fi ;;
+    # the batch-128 decode graph kernel by kernel on the final table (PDL off, so the split adds up)
+    q45k) run q45kernels 240 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --batch-sizes 128 \
+              --out "$OUT/q45kernels.json" ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
     q43d) run q43sweep 240 python3 benchmarks/gpu_gluon_gate_up.py --out "$OUT/q43sweep.json" \
               --configs-out "$OUT/q43sweep_configs.json"
