@@ -1,6 +1,9 @@
 """KV memory: request slots, token slots (slot 0 is a dummy for padded rows) and the KV pools."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import os
 from typing import Iterable, Optional, Sequence
@@ -104,6 +107,23 @@ def free_storages(tensors: Iterable[torch.Tensor]) -> list[StorageRecord]:
             records.append((t, storage.nbytes()))
             storage.resize_(0)
     return records
+
+
+def return_freed_host_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). A freed CPU storage
+    below glibc's mmap threshold, which rises up to 32 MiB after a larger block is freed, goes
+    back to the heap and stays in the process's RSS until trimmed. No-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
 
 
 def restore_storages(records: Iterable[StorageRecord]) -> None:

@@ -20,7 +20,8 @@ from rollout.errors import (CheckpointError, ConfigError, EngineNotReadyError, K
 from rollout.forward_batch import ForwardBatch
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
 from rollout.memory import (MEMORY_TAGS, ReqToTokenPool, StorageRecord, TokenToKVPool, check_memory_tags,
-                            free_storages, kv_bytes_per_token, kv_capacity_tokens, restore_storages)
+                            free_storages, kv_bytes_per_token, kv_capacity_tokens, restore_storages,
+                            return_freed_host_memory)
 from rollout.models.registry import model_class
 from rollout.routing_record import RoutingPool
 from weight_sync.spec import TensorSpec
@@ -237,6 +238,8 @@ class ModelRunner:
             self.released[tag] = free_storages(self._tensors_of(tag))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # give the memory back to the driver (and to a colocated trainer)
+        else:
+            return_freed_host_memory()  # freed blocks below glibc's mmap threshold stay resident
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Re-allocate what release_memory freed. The KV cache comes back zeroed; weights come
