@@ -2,8 +2,8 @@
 time: every variant of benchmarks/gluon_gate_up_probe.py through the JIT's `warmup` with a stub
 driver that names an H200's target. Prints each variant's shared memory, whether the compiler
 split the warps (`setmaxnreg`), and its wgmma, atomic and barrier instruction counts. With
-`--engine`: the engine's Gluon gate/up (rollout/layers/gluon_gemm.py) at its table entry and
-the variants its A/Bs try, under each PDL mode.
+`--engine`: the engine's Gluon GEMM (rollout/layers/gluon_gemm.py) at its table entries
+(gate/up, qkv) and the variants its A/Bs try, under each PDL mode.
 
 Use the device's Triton (3.6, pinned by its torch), installed beside this machine's:
 
@@ -56,28 +56,34 @@ def main() -> None:
 
 
 def engine_kernel() -> None:
-    """The engine's Gluon GEMM (rollout/layers/gluon_gemm.py): the gate/up table entry and the
-    variants its A/Bs try, and down split along K, under each PDL mode; prints whether the PTX
-    waits (griddepcontrol)."""
+    """The engine's Gluon GEMM (rollout/layers/gluon_gemm.py): the gate/up and qkv table
+    entries and the variants their A/Bs try, and down split along K, under each PDL mode;
+    prints whether the PTX waits (griddepcontrol)."""
     from rollout.layers import gluon_gemm as g
     from rollout.layers.gemv_launch import Config, _config
     gate_up = _config(128, 17920, 1536, True)
+    qkv = _config(128, 2048, 1536)
     down = Config(128, 64, 11, 8, True, 6, 128, preload=3, gluon=True)
-    cases = [(True, gate_up, 2), (True, gate_up, 1), (True, gate_up, 0),
-             (True, gate_up._replace(preload=0), 2), (True, gate_up._replace(num_warps=4), 2),
-             (True, gate_up._replace(block_n=64), 2),
-             (True, gate_up._replace(num_stages=4, preload=4), 2),
-             (True, gate_up._replace(block_m=64, num_warps=4), 2),
-             (False, down, 2), (False, down, 0), (False, down._replace(block_n=96, split_k=8), 2),
-             (False, down._replace(split_k=1), 2)]
-    for gated, cfg, pdl in cases:
-        n, k = (17920, 1536) if gated else (1536, 8960)
+    shapes = {"gate/up": (17920, 1536), "qkv": (2048, 1536), "down": (1536, 8960)}
+    cases = [("gate/up", gate_up, 2), ("gate/up", gate_up, 1), ("gate/up", gate_up, 0),
+             ("gate/up", gate_up._replace(preload=0), 2),
+             ("gate/up", gate_up._replace(num_warps=4), 2),
+             ("gate/up", gate_up._replace(block_n=64), 2),
+             ("gate/up", gate_up._replace(num_stages=4, preload=4), 2),
+             ("gate/up", gate_up._replace(block_m=64, num_warps=4), 2),
+             ("qkv", qkv, 2), ("qkv", qkv, 0), ("qkv", qkv._replace(num_warps=4), 2),
+             ("down", down, 2), ("down", down, 0),
+             ("down", down._replace(block_n=96, split_k=8), 2),
+             ("down", down._replace(split_k=1), 2)]
+    for name, cfg, pdl in cases:
+        gated = name == "gate/up"
+        n, k = shapes[name]
         x = torch.empty(128, k, dtype=torch.bfloat16)
         w = torch.empty(n, k, dtype=torch.bfloat16)
         y = torch.empty(128, n // 2 if gated else n, dtype=torch.bfloat16)
         kernel = g.compile_for_sm90(x, w, y, gated, cfg, pdl)
         ptx = kernel.asm["ptx"]
-        print(f"engine {'gate/up' if gated else 'down'} {cfg.block_n} rows, split "
+        print(f"engine {name} {cfg.block_n} rows, split "
               f"{cfg.split_k}, {cfg.num_warps} warps, {cfg.num_stages} stages, preload "
               f"{cfg.preload}, PDL {pdl}: shared {kernel.metadata.shared} B, wgmma "
               f"{ptx.count('wgmma.mma_async')}, waits {ptx.count('griddepcontrol.wait')}, "

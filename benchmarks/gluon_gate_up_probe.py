@@ -13,8 +13,8 @@ pid + programs, ..., its producer running on into the next tile); and stream-K
 chunks summed by a helper whose fp32 sums its owner adds behind a release / acquire flag).
 A fourth form (forty-third session, `launch_x_on_m`): unswapped, x's rows on wgmma's M side and
 64 + 8 weight rows on N, so that 125 tiles make one an SM; it became the engine's kernel,
-rollout/layers/gluon_gemm.py, which those variants now run. `benchmarks/compile_sm90.py` compiles every variant for
-sm_90 without a GPU.
+rollout/layers/gluon_gemm.py, which those variants now run. `benchmarks/compile_sm90.py`
+compiles every variant for sm_90 without a GPU.
 
 Each variant runs in a child process with a time limit (a deadlock never returns); its output
 is checked against cuBLAS + SiLU (relative error), then timed as benchmarks/gpu_gemv.py (a CUDA
@@ -256,8 +256,8 @@ def launch_x_on_m(x, w, y, BM: int, BN: int, EXTRA: int, BK: int, STAGES: int,
     these variants now run."""
     from rollout.layers import gluon_gemm
     from rollout.layers.gemv_launch import Config
-    gluon_gate_up.launch(x, w, y, Config(BN + EXTRA, BK, 1, warps, True, STAGES, BM,
-                                         preload=STAGES, gluon=True))
+    gluon_gemm.launch(x, w, y, True, Config(BN + EXTRA, BK, 1, warps, True, STAGES, BM,
+                                            preload=STAGES, gluon=True))
 
 
 def launch_stream_k(x, w, y, workspace, flags, BM: int, BN: int, BK: int, STAGES: int,

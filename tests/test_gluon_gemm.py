@@ -59,6 +59,27 @@ def test_tile_rows_are_a_power_of_two_and_extra_rows():
             g.tile_rows(Config(block_n, 64, gluon=True))
 
 
+def test_launch_args_refuse_what_the_kernel_cannot_run_and_clamp_the_preload():
+    """Refused before any launch: a K split leaving its last ranges empty (o's K = 1,536 in 11
+    ranges of 192 columns: 8 cover it), a bias unsplit (the epilogue has none), a split gated
+    GEMM. The preloaded chunks never exceed the shortest K range (split 5: four ranges of 320
+    columns and one of 256, 4 chunks), as the producer issues them unconditionally."""
+    g = _gluon()
+    x = torch.empty(128, 1536, dtype=torch.bfloat16)
+    w = torch.empty(1536, 1536, dtype=torch.bfloat16)
+    y = torch.empty(128, 1536, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="empty K range"):
+        g._launch_args(x, w, y, False, DOWN)
+    with pytest.raises(ValueError, match="bias only split"):
+        g._launch_args(x, w, y, False, DOWN._replace(split_k=1), has_bias=True)
+    with pytest.raises(ValueError, match="no K split when gated"):
+        g._launch_args(x, torch.empty(3072, 1536, dtype=torch.bfloat16), y, True,
+                       DOWN._replace(split_k=2))
+    cfg = DOWN._replace(block_n=64, split_k=5, preload=6)
+    assert g._launch_args(x, w, y, False, cfg, has_bias=True)[2]["PRELOAD"] == 4
+    assert g._launch_args(x, w, y, False, cfg._replace(split_k=4))[2]["PRELOAD"] == 6
+
+
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("use_pdl", [0, 1, 2])
 def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl, gated):

@@ -524,8 +524,8 @@ def test_gpu_tma_l2_prefetch_changes_no_bit(prefetch_k):
         for m in ((64, 128) if name == "gate_up" else (32, 64, 128)):
             gated = name == "gate_up"
             cfg = triton_gemv._config(m, n, k, gated)
-            # gate/up at 128 rows: the Gluon kernel's entry (test_gluon_gemm.py); the TMA
-            # entry it replaced is what other GPUs take
+            # gate/up and qkv at 128 rows: Gluon entries (test_gluon_gemm.py); the TMA
+            # entries they replaced are what other GPUs take
             cfg = gemv_launch.GLUON_FALLBACK.get((m, n, k, gated), cfg)
             assert cfg.tma, (name, m)
             x = rand(m, k, dtype=torch.bfloat16, seed=m)

@@ -85,7 +85,7 @@ def _producer(x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, 
         (halves * e_desc.block_type.nbytes if EXTRA > 0 else 0)
     if USE_PDL == EARLY_TRIGGER:
         _gdc_launch_dependents()
-    for i in gl.static_range(PRELOAD):  # PRELOAD <= STAGES and <= num_k (the launcher's check)
+    for i in gl.static_range(PRELOAD):  # PRELOAD <= STAGES and <= num_k (_launch_args)
         mbarrier.expect(ready.index(i), nbytes)
         _load_weights(w_desc, e_desc, g_bufs.index(i), u_bufs.index(i), eg_bufs.index(i),
                       eu_bufs.index(i), ready.index(i), off_n, N, k_start + i * BK, MAIN,
@@ -251,21 +251,27 @@ def _layout(rows: int, cols: int) -> gl.NVMMASharedLayout:
 
 
 def _launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gated: bool,
-                 cfg: Config, use_pdl=None) -> tuple:
-    """(grid, arguments, keywords, partials, split) of a launch; `use_pdl` overrides the PDL
-    mode (compile_for_sm90)."""
+                 cfg: Config, use_pdl=None, has_bias: bool = False) -> tuple:
+    """(grid, arguments, keywords, partials, split) of a launch, or a ValueError for one the
+    kernel cannot run; `use_pdl` overrides the PDL mode (compile_for_sm90)."""
     from rollout.layers.triton_gemv import split_partials
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     main, extra = tile_rows(cfg)
     split, k_split = split_k_range(K, cfg)
-    preload = min(cfg.preload, cfg.num_stages, triton.cdiv(min(K, k_split), cfg.block_k))
+    last_chunks = triton.cdiv(K - (split - 1) * k_split, cfg.block_k)  # the shortest range's
+    # the producer issues PRELOAD chunks unconditionally: no more than every range holds
+    preload = min(cfg.preload, cfg.num_stages, last_chunks)
     bm = cfg.block_m
     if x.dtype != torch.bfloat16 or bm not in (64, 128) or cfg.num_warps * 16 > bm \
-            or cfg.num_warps not in (4, 8) or (gated and split > 1):
+            or cfg.num_warps not in (4, 8) or (gated and split > 1) or last_chunks < 1:
         raise ValueError(f"the Gluon GEMM takes bf16 x, tiles of 64 or 128 x rows, 4 or 8 "
-                         f"consumer warps (16 rows a warp at least) and no K split when gated: "
-                         f"{x.dtype}, block_m {bm}, {cfg.num_warps} warps, split {split}")
+                         f"consumer warps (16 rows a warp at least), no K split when gated and "
+                         f"no empty K range: {x.dtype}, block_m {bm}, {cfg.num_warps} warps, "
+                         f"split {split} of {k_split} columns for K = {K}")
+    if has_bias and split == 1:
+        raise ValueError("the Gluon GEMM takes a bias only split along K (its partials' sum "
+                         "adds it; the epilogue has none)")
     partials = split_partials(M, N, gated, split, out)
     ew = extra or 8
     descs = [TensorDescriptor.from_tensor(t, [rows, cfg.block_k], _layout(rows, cfg.block_k))
@@ -289,10 +295,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gated: bool
     kernel or, with `defer_split`, by their reader. A bias only with a split: whoever sums the
     partials adds it (the kernel's epilogue has none)."""
     from rollout.layers.triton_gemv import finish_split
-    if bias is not None and (gated or split_k_range(x.shape[1], cfg)[0] == 1):
-        raise ValueError("the Gluon GEMM takes a bias only split along K (its partials' sum "
-                         "adds it)")
-    grid, args, meta, partials, split = _launch_args(x, weight, out, gated, cfg)
+    grid, args, meta, partials, split = _launch_args(x, weight, out, gated, cfg,
+                                                     has_bias=bias is not None)
     _gemm_kernel[grid](*args, **meta)
     return finish_split(partials, bias, out, gated, split, defer_split)
 
