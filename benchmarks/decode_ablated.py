@@ -15,8 +15,7 @@ are then wrong by construction; only the timings mean anything. Run through engi
 Ops: input_norm, post_norm (the residual add + RMSNorm before attention / before the MLP: the
 hidden state becomes the residual itself), qkv (the qkv GEMV with the rotary and the KV store:
 q, k, v become zeros, nothing is written to the KV cache), attention (the decode attention
-kernels: the output becomes zeros; with qkv and o, these run the rotary kernel before the
-attention, not the attention's qkv epilogue), attention_merge (the split-KV merge kernel only: the output
+kernels: the output becomes zeros), attention_merge (the split-KV merge kernel only: the output
 becomes zeros, the split kernel still runs), o, gate_up (with its SiLU), down, lm_head; "none" ablates
 nothing (the baseline, through the same wrapper)."""
 from __future__ import annotations
@@ -78,12 +77,7 @@ def _ablate_norm(llama, op: str) -> None:
 
 def _ablate_attention_part(llama, op: str) -> None:
     qkv_zeros, attn_zeros = _zeros(4096), _zeros(4096)
-
-    def real_qkv(self, rope, x, fb):  # qkv, its rotary and KV store (the attention's epilogue
-        # off: the rotary kernel, as before decode_rope.py)
-        if (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
-            return *self._heads(fused), True
-        return self._rotary_cuda(rope, self.qkv_proj(x, defer_split=True), fb)
+    real_qkv = llama.DecoderAttention._qkv_rotary_cuda
 
     def forward(self, rope, x, fb):
         n, d = x.shape[0], self.attn.head_dim

@@ -3,14 +3,13 @@ layer's attention for that batch; the KV of the new tokens is written through th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
     from rollout.layers.attention import Attention
-    from rollout.layers.split_sum import SplitSum
 
 
 class AttentionBackend(ABC):
@@ -38,17 +37,6 @@ class AttentionBackend(ABC):
         if fb.forward_mode.is_decode:
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)
-
-    def forward_decode_qkv(self, qkv: Union[torch.Tensor, "SplitSum"],
-                           rope: tuple[torch.Tensor, torch.Tensor], layer: "Attention",
-                           fb: "ForwardBatch") -> Optional[torch.Tensor]:
-        """Decode attention straight from the qkv GEMM's output ([tokens, (q + 2 kv heads) x
-        head_dim], or its split-K partials), neither summed nor rotated: the backend's kernel
-        rotates q and k by `rope` (cos, sin [tokens, 1, head_dim / 2]), writes the new keys
-        and values into the KV cache and attends, with the rotary kernel's arithmetic → [tokens,
-        heads, head_dim]. None where it does not (the caller runs the rotary kernel and
-        `forward`); it then has changed nothing."""
-        return None
 
     # Decode launches by context length: a backend whose decode grid depends on the batch's
     # longest context (not only on its size) names a class per launch; the graph runner captures

@@ -7,9 +7,8 @@ before each replay, so a replay copies nothing here; `init_cuda_graph_state` all
 scratch for the largest graph batch. On CPU the same kernels run under TRITON_INTERPRET=1 (tests)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,20 +16,12 @@ from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_kernels.decode import (DecodeConfig, DecodeLaunch, DecodeScratch,
                                                       decode_attention, decode_buffers,
                                                       decode_launch, launch_table_from_env)
-from rollout.attention.triton_kernels.common import block_dmodel
-from rollout.attention.triton_kernels.decode_rope import DecodeRope
 from rollout.attention.triton_kernels.extend import (ExtendBlocks, ExtendConfig, extend_attention,
                                                       extend_blocks, extend_config)
-
-from rollout.layers.split_sum import SplitSum
 
 if TYPE_CHECKING:
     from rollout.forward_batch import ForwardBatch
     from rollout.layers.attention import Attention
-
-# decode batches whose qkv is not fused with its rotary: the attention kernel does the rotary
-# and the KV-cache write (decode_rope.py) instead of a rotary kernel; 0: off (A/B)
-FUSED_ROPE_ATTENTION = os.environ.get("ROLLOUT_FUSED_ROPE_ATTENTION", "1") != "0"
 
 
 @dataclass
@@ -116,31 +107,6 @@ class TritonBackend(AttentionBackend):
         return decode_attention(
             q, pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id], self.req_to_token,
             m.req_pool_indices, m.seq_lens, layer.scaling, buffers=m.scratch, config=m.config)
-
-    def forward_decode_qkv(self, qkv: Union[torch.Tensor, SplitSum],
-                           rope: tuple[torch.Tensor, torch.Tensor], layer: "Attention",
-                           fb: "ForwardBatch") -> Optional[torch.Tensor]:
-        """The decode kernel with qkv's epilogue (decode_rope.py: no rotary kernel before it)
-        where the launch is the split kernel's, head_dim a power of two and the pool takes a
-        kernel's KV store (a GPU's); ROLLOUT_FUSED_ROPE_ATTENTION=0 turns it off."""
-        if not (FUSED_ROPE_ATTENTION and fb.forward_mode.is_decode):
-            return None
-        m, pool = self.meta, fb.token_to_kv_pool
-        split = isinstance(qkv, SplitSum)
-        out = qkv.out if split else qkv
-        n, d, heads, kv_heads = out.shape[0], layer.head_dim, layer.num_heads, layer.num_kv_heads
-        if (m.config.per_head or block_dmodel(d) != d or out.dim() != 2
-                or out.shape[1] != (heads + 2 * kv_heads) * d):
-            return None
-        values = out[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
-        if pool.rotary_store_target(layer.layer_id, fb.out_cache_loc, values) is None:
-            return None
-        source = DecodeRope(qkv.partials if split else qkv, qkv.bias if split else None, *rope,
-                            fb.out_cache_loc, out.dtype)
-        return decode_attention(
-            out[:, :heads * d].view(n, heads, d), pool.k_buffers[layer.layer_id],
-            pool.v_buffers[layer.layer_id], self.req_to_token, m.req_pool_indices, m.seq_lens,
-            layer.scaling, buffers=m.scratch, config=m.config, rope=source)
 
     def decode_launch(self, batch: int) -> DecodeLaunch:
         """The decode kernel's launches for a batch size (`decode.decode_launch`). Off CUDA the

@@ -39,15 +39,9 @@ class DecoderAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
-        if not x.is_cuda:
-            return self._attend(*self._qkv_rotary_cpu(rope, x), fb)
-        if self.q_norm is None and (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
-            return self._attend(*self._heads(fused), True, fb)
-        from rollout.layers import triton_ops
-        # split-K partials of qkv are summed by the kernel that reads them: the decode
-        # attention's epilogue or the rotary kernel (which norms them first, Qwen3)
-        qkv = self.qkv_proj(x, defer_split=self.q_norm is None or triton_ops.FUSED_QK_NORM)
-        return self._rotary_and_attend(rope, qkv, fb)
+        qk, v, kv_stored = (self._qkv_rotary_cuda(rope, x, fb) if x.is_cuda
+                            else self._qkv_rotary_cpu(rope, x))
+        return self._attend(qk, v, kv_stored, fb)
 
     def forward_normed(self, rope: tuple[torch.Tensor, torch.Tensor],
                        h: Union[torch.Tensor, SplitSum], residual: torch.Tensor, norm: RMSNorm,
@@ -62,18 +56,14 @@ class DecoderAttention(nn.Module):
         fused = self._fused_norm_qkv(h, residual, norm)
         if fused is not None:
             qkv, residual = fused
-            return self._rotary_and_attend(rope, qkv, fb), residual
+            return self._attend(*self._rotary_cuda(rope, qkv, fb), fb), residual
         x, residual = norm(h, residual)
         return self.forward(rope, x, fb), residual
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, kv_stored: bool,
                 fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        return self._project(self.attn(q, k, v, fb, kv_stored))
-
-    def _project(self, out: torch.Tensor) -> Union[torch.Tensor, SplitSum]:
-        """o of the attention's output [n, heads, head_dim] (or its flat rows)."""
-        out = out.reshape(out.shape[0], self.heads * self.attn.head_dim)
+        out = self.attn(q, k, v, fb, kv_stored)
         # o lets the kernels after it launch before its PDL wait, even at one row where its GEMV
         # preloads weights: the MLP's gate/up then loads its weights during o (pdl_policy).
         # Read by the post-attention add + RMSNorm, which can sum split-K partials itself.
@@ -87,17 +77,16 @@ class DecoderAttention(nn.Module):
                            self.qkv_proj.kv_size], dim=-1)
         return qk.view(n, self.heads + self.kv_heads, d), v.view(n, self.kv_heads, d)
 
-    def _rotary_and_attend(self, rope: tuple[torch.Tensor, torch.Tensor],
-                           qkv: Union[torch.Tensor, SplitSum],
-                           fb: ForwardBatch) -> Union[torch.Tensor, SplitSum]:
-        """o(attention) of qkv's output (or its split-K partials), not rotated yet: in the
-        backend's decode kernel, which rotates q and k and writes the KV cache itself, where it
-        takes them (no q/k norms); else the rotary kernel, then the attention."""
-        if self.q_norm is None:
-            out = fb.attn_backend.forward_decode_qkv(qkv, rope, self.attn, fb)
-            if out is not None:
-                return self._project(out)
-        return self._attend(*self._rotary_cuda(rope, qkv, fb), fb)
+    def _qkv_rotary_cuda(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                         fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """qkv, the q/k norms (Qwen3), the rotary and the KV cache write by fused Triton kernels:
+        (q and k heads rotated, v heads, whether k and v are in the KV cache already)."""
+        from rollout.layers import triton_ops
+        if self.q_norm is None and (fused := self._fused_qkv_rope(rope, x, fb)) is not None:
+            return *self._heads(fused), True
+        # split-K partials of qkv are summed by the rotary kernel (and normed there, Qwen3)
+        qkv = self.qkv_proj(x, defer_split=self.q_norm is None or triton_ops.FUSED_QK_NORM)
+        return self._rotary_cuda(rope, qkv, fb)
 
     def _rotary_cuda(self, rope: tuple[torch.Tensor, torch.Tensor],
                      qkv: Union[torch.Tensor, SplitSum],

@@ -24,8 +24,6 @@ import triton.language as tl
 from rollout.attention.triton_kernels.common import (block_dmodel, check_kv, dot_precision,
                                                       merge_partial)
 from rollout.attention.triton_kernels.decode_head import decode_attention_per_head
-from rollout.attention.triton_kernels.decode_rope import (DecodeRope, check_rope, qkv_values,
-                                                           rotated)
 from rollout.layers.triton_ops import _COMPILED, bulk_prefetch_l2
 from rollout.triton_pdl import launch_options, pdl_wait
 
@@ -83,15 +81,12 @@ PREFETCH_KEYS = 256  # keys a program's L2 prefetch covers (from its range's sta
 @triton.jit
 def _decode_partial_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
-    QKV, Bias, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_xs, stride_xt, stride_ct, stride_st,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr, ROPE: tl.constexpr, ROPE_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, COMPILED: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,15 +114,7 @@ def _decode_partial_kernel(
         old = first_mask & (first_n < seq_len - 1)
         k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
         v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
-        if not ROPE:
-            new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
-    if ROPE:  # decode_rope.py: the step's rotary rows and the new token's slot (step inputs)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        first_half = offs_d < HALF
-        partner = (offs_d + HALF) % HEAD_DIM
-        cos = tl.load(Cos + b * stride_ct + offs_d % HALF).to(tl.float32)
-        sin = tl.load(Sin + b * stride_st + offs_d % HALF).to(tl.float32)
-        new_loc = tl.load(Loc + b).to(tl.int64)
+        new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
     if PREFETCH_ROW_BYTES > 0:
         if kv_head == 0:  # every KV head's row of a slot: the programs of the other heads,
             # which may become resident only after the kernel before ends, find theirs in L2
@@ -141,29 +128,8 @@ def _decode_partial_kernel(
             bulk_prefetch_l2(V.to(tl.int64) + pf_slots * stride_vt * eb, size, pf_old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
-        if ROPE:  # q, the new key and value from qkv's row b (decode_rope.py)
-            dt: tl.constexpr = Q.dtype.element_ty
-            xrow = b.to(tl.int64) * stride_xt
-            q_cols = heads[:, None] * HEAD_DIM
-            q_mask = h_mask[:, None] & d_mask[None, :]
-            q = rotated(QKV, Bias, xrow, q_cols + offs_d[None, :], q_cols + partner[None, :],
-                        q_mask, cos[None, :], sin[None, :], first_half[None, :], stride_xs,
-                        ROPE_SPLIT, HAS_BIAS, dt, COMPILED).to(dt)
-            k_col = (GROUP * tl.num_programs(1) + kv_head) * HEAD_DIM
-            k_new = rotated(QKV, Bias, xrow, k_col + offs_d, k_col + partner, d_mask, cos, sin,
-                            first_half, stride_xs, ROPE_SPLIT, HAS_BIAS, dt,
-                            COMPILED).to(K.dtype.element_ty)
-            v_col = k_col + tl.num_programs(1) * HEAD_DIM
-            v_new = qkv_values(QKV, Bias, xrow, v_col + offs_d, d_mask, stride_xs, ROPE_SPLIT,
-                               HAS_BIAS, dt, COMPILED).to(V.dtype.element_ty)
-            if split == 0:  # one program of (b, kv_head) writes them (never empty)
-                tl.store(K + new_loc * stride_kt + kv_head * stride_kh + offs_d, k_new,
-                         mask=d_mask)
-                tl.store(V + new_loc * stride_vt + kv_head * stride_vh + offs_d, v_new,
-                         mask=d_mask)
-        else:
-            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -172,11 +138,10 @@ def _decode_partial_kernel(
             # as two rows loaded beside q (the value's had loaded after the scores, one memory
             # latency later: seventeenth session, batch-1 decode graph ~2% faster without that)
             new = first_mask & (first_n == seq_len - 1)
-            if not ROPE:
-                k_new = tl.load(K + new_slot * stride_kt + kv_head * stride_kh + offs_d,
-                                mask=d_mask, other=0.0)
-                v_new = tl.load(V + new_slot * stride_vt + kv_head * stride_vh + offs_d,
-                                mask=d_mask, other=0.0)
+            k_new = tl.load(K + new_slot * stride_kt + kv_head * stride_kh + offs_d, mask=d_mask,
+                            other=0.0)
+            v_new = tl.load(V + new_slot * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask,
+                            other=0.0)
             k_t = tl.where(new[None, :], k_new[:, None], k_old)
             v = tl.where(new[:, None], v_new[None, :], v_old)
             p, m_i, alpha, l_i = _block_probs(q, k_t, first_mask, m_i, l_i, sm_scale, PRECISION)
@@ -187,19 +152,9 @@ def _decode_partial_kernel(
             n_mask = offs_n < end
             # int64: slot * stride can pass 2**31 in a large pool
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
-            if ROPE:  # the new token's key and value from registers, never from the slot
-                # that split 0 writes
-                is_new = offs_n == seq_len - 1
-                kv_mask = n_mask & (offs_n != seq_len - 1)
-            else:
-                kv_mask = n_mask
-            k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, kv_mask)
-            if ROPE:
-                k_t = tl.where(is_new[None, :], k_new[:, None], k_t)
+            k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, n_mask)
             p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
-            v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, kv_mask)
-            if ROPE:
-                v = tl.where(is_new[:, None], v_new[None, :], v)
+            v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, n_mask)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         if NUM_SPLITS == 1:  # PartO is the output itself: no partials, no merge kernel
@@ -457,24 +412,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      seq_lens: torch.Tensor, sm_scale: float,
                      config: DecodeConfig = DecodeConfig(),
                      buffers: DecodeScratch | None = None,
-                     out: torch.Tensor | None = None,
-                     rope: DecodeRope | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; KV buffers [num_slots, kv_heads, head_dim] →
     [batch, heads, head_dim] in q's dtype. `config`: the launch (`decode_launch_config` per
     batch); `buffers` from `decode_buffers` (made here if None), with room for the batch, the
-    heads and the config's splits. With `rope` (decode_rope.py), q's values, the new keys and
-    values come from its qkv output, rotated here, and the new ones are written into the KV
-    buffers: q (not read, nor written) gives the shape and dtype."""
+    heads and the config's splits."""
     group = check_kv(q, k_buffer, v_buffer)
     batch, heads, head_dim = q.shape
-    block_d = block_dmodel(head_dim)
-    if rope is not None:
-        if config.per_head:
-            raise ValueError("the per-head decode kernel has no rotary epilogue")
-        if rope.dtype != q.dtype:
-            raise ValueError(f"qkv rounds to {rope.dtype}, q is {q.dtype}")
-        rope_split, stride_xs, stride_xt = check_rope(rope, batch, heads, k_buffer.shape[1],
-                                                      head_dim, block_d)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
@@ -484,6 +428,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     part_o, part_lse, arrivals = scratch
     if part_o.shape[2] < num_splits:
         raise ValueError(f"scratch for {part_o.shape[2]} splits, {num_splits} asked")
+    block_d = block_dmodel(head_dim)
     if config.per_head:  # one program per query head (and split): decode_head.py
         if arrivals.shape[0] < batch or arrivals.shape[1] < heads:
             raise ValueError(f"arrival counters for {tuple(arrivals.shape)} (requests, heads), "
@@ -495,27 +440,18 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     direct = num_splits == 1
     dest, dest_strides = (out, (out.stride(0), out.stride(1), 0)) if direct else (
         part_o, (part_o.stride(0), part_o.stride(1), part_o.stride(2)))
-    if rope is None:  # the epilogue's pointers unused (q's), its strides 0
-        rope_args, rope_split, stride_xs, stride_xt = (q, q, q, q, q, 0, 0), 0, 0, 0
-    else:
-        rope_args = (rope.qkv, rope.bias if rope.bias is not None else rope.qkv, rope.cos,
-                     rope.sin, rope.loc, rope.cos.stride(0), rope.sin.stride(0))
     _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse, sm_scale,
-        *rope_args[:5],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         *dest_strides, part_lse.stride(0), part_lse.stride(1),
-        stride_xs, stride_xt, *rope_args[5:],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
         PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages,
         PREFETCH_ROW_BYTES=_prefetch_row_bytes(config, q, k_buffer, v_buffer),
-        PREFETCH_KEYS=PREFETCH_KEYS, ROPE=rope is not None, ROPE_SPLIT=rope_split,
-        HAS_BIAS=rope is not None and rope.bias is not None, COMPILED=_COMPILED,
-        **launch_options())
+        PREFETCH_KEYS=PREFETCH_KEYS, **launch_options())
     if direct:
         return out
     _decode_reduce_kernel[(batch, heads)](
