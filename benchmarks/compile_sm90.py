@@ -8,7 +8,10 @@ split the warps (`setmaxnreg`), and its wgmma, atomic and barrier instruction co
 Use the device's Triton (3.6, pinned by its torch), installed beside this machine's:
 
   python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
-  PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py [--engine]
+  PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py [--engine | --decode]
+
+`--decode`: the decode attention's split kernel at the engine's launches (registers and spills
+a program, by ptxas).
 """
 from __future__ import annotations
 
@@ -90,9 +93,61 @@ def engine_kernel() -> None:
               f"triggers {ptx.count('griddepcontrol.launch_dependents')}", flush=True)
 
 
+def decode_kernel() -> None:
+    """The decode attention's split kernel (rollout/attention/triton_kernels/decode.py) at the
+    engine's launches for Qwen2-1.5B's heads (and the A/B variants of this session):
+    registers, spills and shared memory a program, with the engine's strides (Triton
+    specializes multiples of 16: unit strides would compile another kernel)."""
+    from rollout.attention.triton_kernels import decode as dk
+    heads, kv_heads, d, slots = 12, 2, 128, 4096
+    cases = [(b, dk.decode_launch_config(b, kv_heads=kv_heads)) for b in (32, 128, 256)]
+    cases.append((128, cases[1][1]._replace(preload_next_slots=True)))
+    for batch, cfg in cases:
+        q = torch.empty(batch, heads, d, dtype=torch.bfloat16)
+        kv = torch.empty(slots, kv_heads, d, dtype=torch.bfloat16)
+        idx = torch.empty(batch, dtype=torch.int64)
+        part = torch.empty(batch, heads, cfg.splits, d)
+        strides = (heads * d, d, kv_heads * d, d, kv_heads * d, d, 4096, heads * d, d, 0,
+                   heads * cfg.splits, cfg.splits)
+        kernel = dk._decode_partial_kernel.warmup(
+            q, kv, kv, torch.empty(batch, 4096, dtype=torch.int32), idx, idx, part, part, 0.088,
+            *strides, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=d, BLOCK_H=16,
+            BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, PRECISION="tf32",
+            PRELOAD_KV=cfg.preload_kv, USE_PDL=True, PREFETCH_ROW_BYTES=0,
+            PREFETCH_KEYS=dk.PREFETCH_KEYS,
+            PRELOAD_NEXT_SLOTS=cfg.preload_kv and cfg.preload_next_slots,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(batch, kv_heads, cfg.splits))
+        print(f"decode batch {batch} {cfg}: shared {kernel.metadata.shared} B, "
+              f"{_ptxas_usage(kernel.asm['ptx'])}", flush=True)
+
+
+def _ptxas_usage(ptx: str) -> str:
+    """ptxas's resource line (registers, spill stores and loads) for sm_90a PTX, by Triton's
+    own ptxas."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia import compiler
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([compiler.get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o",
+                              os.devnull], capture_output=True, text=True)
+    text = run.stderr + run.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"registers {regs.group(1) if regs else '?'}, spill stores/loads "
+            f"{spills.groups() if spills else '?'}")
+
+
 if __name__ == "__main__":
     import sys
-    if "--engine" in sys.argv:
+    if "--decode" in sys.argv:
+        driver.set_active(H200CompileTarget())
+        decode_kernel()
+    elif "--engine" in sys.argv:
         driver.set_active(H200CompileTarget())
         engine_kernel()
     else:
