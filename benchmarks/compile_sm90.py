@@ -95,13 +95,11 @@ def engine_kernel() -> None:
 
 def decode_kernel() -> None:
     """The decode attention's split kernel (rollout/attention/triton_kernels/decode.py) at the
-    engine's launches for Qwen2-1.5B's heads (and the A/B variants of this session):
-    registers, spills and shared memory a program, with the engine's strides (Triton
+    engine's launches for Qwen2-1.5B's heads: registers, spills and shared memory a program, with the engine's strides (Triton
     specializes multiples of 16: unit strides would compile another kernel)."""
     from rollout.attention.triton_kernels import decode as dk
     heads, kv_heads, d, slots = 12, 2, 128, 4096
     cases = [(b, dk.decode_launch_config(b, kv_heads=kv_heads)) for b in (32, 128, 256)]
-    cases.append((128, cases[1][1]._replace(preload_next_slots=True)))
     for batch, cfg in cases:
         q = torch.empty(batch, heads, d, dtype=torch.bfloat16)
         kv = torch.empty(slots, kv_heads, d, dtype=torch.bfloat16)
@@ -115,7 +113,6 @@ def decode_kernel() -> None:
             BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, PRECISION="tf32",
             PRELOAD_KV=cfg.preload_kv, USE_PDL=True, PREFETCH_ROW_BYTES=0,
             PREFETCH_KEYS=dk.PREFETCH_KEYS,
-            PRELOAD_NEXT_SLOTS=cfg.preload_kv and cfg.preload_next_slots,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(batch, kv_heads, cfg.splits))
         print(f"decode batch {batch} {cfg}: shared {kernel.metadata.shared} B, "
               f"{_ptxas_usage(kernel.asm['ptx'])}", flush=True)

@@ -47,8 +47,6 @@ class DecodeConfig(NamedTuple):
     prefetch_l2: bool = False  # before the PDL wait, the programs of the first KV head ask L2
     # for the earlier keys and values of every KV head in their range (up to PREFETCH_KEYS):
     # a hint (the same bits), so that they stream while the kernel before runs
-    preload_next_slots: bool = False  # with preload_kv: the second block's slots load before
-    # the PDL wait too, so that its keys and values load at once after it (the same sums)
 
 
 @triton.jit
@@ -77,17 +75,6 @@ def _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, mask):
                    mask=mask[:, None] & d_mask[None, :], other=0.0)
 
 
-@triton.jit
-def _attend_block(q, K, V, slots, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, offs_d,
-                  d_mask, n_mask, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
-    """One block of keys at `slots` (where `n_mask`) into the online softmax: the new running
-    max, sum and weighted values."""
-    k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, n_mask)
-    p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
-    v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, n_mask)
-    return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-
-
 PREFETCH_KEYS = 256  # keys a program's L2 prefetch covers (from its range's start)
 
 
@@ -99,7 +86,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr, PRELOAD_NEXT_SLOTS: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,11 +115,6 @@ def _decode_partial_kernel(
         k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
         v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
         new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
-        if PRELOAD_NEXT_SLOTS:  # the second block's slots (every key of it written before)
-            next_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
-            next_mask = next_n < end
-            next_slots = tl.load(ReqToToken + row * stride_r2t + next_n, mask=next_mask,
-                                 other=0).to(tl.int64)
     if PREFETCH_ROW_BYTES > 0:
         if kv_head == 0:  # every KV head's row of a slot: the programs of the other heads,
             # which may become resident only after the kernel before ends, find theirs in L2
@@ -165,20 +147,15 @@ def _decode_partial_kernel(
             p, m_i, alpha, l_i = _block_probs(q, k_t, first_mask, m_i, l_i, sm_scale, PRECISION)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             loop_start = start + BLOCK_N
-            if PRELOAD_NEXT_SLOTS:
-                if loop_start < end:
-                    m_i, l_i, acc = _attend_block(q, K, V, next_slots, kv_head, stride_kt,
-                                                  stride_kh, stride_vt, stride_vh, offs_d, d_mask,
-                                                  next_mask, m_i, l_i, acc, sm_scale, PRECISION)
-                loop_start += BLOCK_N
         for n0 in range(loop_start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             # int64: slot * stride can pass 2**31 in a large pool
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
-            m_i, l_i, acc = _attend_block(q, K, V, slots, kv_head, stride_kt, stride_kh, stride_vt,
-                                          stride_vh, offs_d, d_mask, n_mask, m_i, l_i, acc,
-                                          sm_scale, PRECISION)
+            k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, n_mask)
+            p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
+            v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, n_mask)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         if NUM_SPLITS == 1:  # PartO is the output itself: no partials, no merge kernel
             tl.store(out_ptr, (acc / l_i[:, None]).to(PartO.dtype.element_ty),
@@ -264,8 +241,8 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 def parse_launch_table(spec: str) -> LaunchTable:
     """A launch table from
-    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head[,prefetch_l2[,next_slots]]]]
-    [|LONG];..." (e.g. "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
+    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head[,prefetch_l2]]][|LONG];..." (e.g.
+    "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
     context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be CUDA-graph sizes (a
     batch and the graph it is padded to then launch alike)."""
     table = []
@@ -278,8 +255,7 @@ def parse_launch_table(spec: str) -> LaunchTable:
             launch, edge = DecodeLaunch(short, *long), int(edge)
         except (ValueError, TypeError) as e:
             raise ValueError(f"decode attention config {entry!r}: want MAX_BATCH:splits,block_n,"
-                             f"warps,stages[,preload_kv[,per_head[,prefetch_l2[,next_slots]]]]"
-                             f"[|LONG] ({e})"
+                             f"warps,stages[,preload_kv[,per_head[,prefetch_l2]]][|LONG] ({e})"
                              ) from None
         if edge < 1:
             raise ValueError(f"decode attention config {entry!r}: MAX_BATCH positive")
@@ -294,7 +270,7 @@ def _parse_config(text: str) -> DecodeConfig:
     if not 4 <= len(values) <= len(DecodeConfig._fields):
         raise ValueError(f"{len(values)} values")
     if any(flag not in (0, 1) for flag in values[4:]):
-        raise ValueError("preload_kv, per_head, prefetch_l2 and next_slots are 0 or 1")
+        raise ValueError("preload_kv, per_head and prefetch_l2 are 0 or 1")
     cfg = DecodeConfig(*values[:4], *map(bool, values[4:]))
     if min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError("positive values, block_n a power of two")
@@ -475,9 +451,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages,
         PREFETCH_ROW_BYTES=_prefetch_row_bytes(config, q, k_buffer, v_buffer),
-        PREFETCH_KEYS=PREFETCH_KEYS,
-        PRELOAD_NEXT_SLOTS=bool(config.preload_kv and config.preload_next_slots),
-        **launch_options())
+        PREFETCH_KEYS=PREFETCH_KEYS, **launch_options())
     if direct:
         return out
     _decode_reduce_kernel[(batch, heads)](
