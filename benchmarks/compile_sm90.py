@@ -100,7 +100,6 @@ def decode_kernel() -> None:
     from rollout.attention.triton_kernels import decode as dk
     heads, kv_heads, d, slots = 12, 2, 128, 4096
     cases = [(b, dk.decode_launch_config(b, kv_heads=kv_heads)) for b in (32, 128, 256)]
-    cases.append((128, cases[1][1]._replace(preload_values=False)))
     for batch, cfg in cases:
         q = torch.empty(batch, heads, d, dtype=torch.bfloat16)
         kv = torch.empty(slots, kv_heads, d, dtype=torch.bfloat16)
@@ -113,7 +112,7 @@ def decode_kernel() -> None:
             *strides, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=d, BLOCK_H=16,
             BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, PRECISION="tf32",
             PRELOAD_KV=cfg.preload_kv, USE_PDL=True, PREFETCH_ROW_BYTES=0,
-            PREFETCH_KEYS=dk.PREFETCH_KEYS, PRELOAD_V=cfg.preload_values,
+            PREFETCH_KEYS=dk.PREFETCH_KEYS,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(batch, kv_heads, cfg.splits))
         print(f"decode batch {batch} {cfg}: shared {kernel.metadata.shared} B, "
               f"{_ptxas_usage(kernel.asm['ptx'])}", flush=True)

@@ -47,8 +47,6 @@ class DecodeConfig(NamedTuple):
     prefetch_l2: bool = False  # before the PDL wait, the programs of the first KV head ask L2
     # for the earlier keys and values of every KV head in their range (up to PREFETCH_KEYS):
     # a hint (the same bits), so that they stream while the kernel before runs
-    preload_values: bool = True  # with preload_kv: the first block's values too; False: its
-    # keys only before the wait, its values issued first thing after it (fewer registers held)
 
 
 @triton.jit
@@ -88,7 +86,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr, PRELOAD_V: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,8 +113,7 @@ def _decode_partial_kernel(
                               other=0).to(tl.int64)
         old = first_mask & (first_n < seq_len - 1)
         k_old = _load_k_t(K, first_slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
-        if PRELOAD_V:
-            v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
+        v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
         new_slot = tl.load(ReqToToken + row * stride_r2t + seq_len - 1).to(tl.int64)
     if PREFETCH_ROW_BYTES > 0:
         if kv_head == 0:  # every KV head's row of a slot: the programs of the other heads,
@@ -131,8 +128,6 @@ def _decode_partial_kernel(
             bulk_prefetch_l2(V.to(tl.int64) + pf_slots * stride_vt * eb, size, pf_old)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     if start < end:  # short sequences leave the last splits empty; stage 2 skips them
-        if PRELOAD_KV and not PRELOAD_V:
-            v_old = _load_v(V, first_slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -246,8 +241,7 @@ def launch_table_from_env() -> Optional[LaunchTable]:
 
 def parse_launch_table(spec: str) -> LaunchTable:
     """A launch table from
-    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head[,prefetch_l2[,values]]]][|LONG];..."
-    (e.g.
+    "MAX_BATCH:splits,block_n,warps,stages[,preload_kv[,per_head[,prefetch_l2]]][|LONG];..." (e.g.
     "2:8,32,4,2,1|8,128,4,3,1;256:2,64,2,3"), LONG the same values for a batch whose longest
     context passes LONG_CONTEXT_KEYS (`DecodeLaunch`). Edges should be CUDA-graph sizes (a
     batch and the graph it is padded to then launch alike)."""
@@ -276,7 +270,7 @@ def _parse_config(text: str) -> DecodeConfig:
     if not 4 <= len(values) <= len(DecodeConfig._fields):
         raise ValueError(f"{len(values)} values")
     if any(flag not in (0, 1) for flag in values[4:]):
-        raise ValueError("preload_kv, per_head, prefetch_l2 and preload_values are 0 or 1")
+        raise ValueError("preload_kv, per_head and prefetch_l2 are 0 or 1")
     cfg = DecodeConfig(*values[:4], *map(bool, values[4:]))
     if min(cfg[:4]) < 1 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError("positive values, block_n a power of two")
@@ -457,8 +451,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         PRELOAD_KV=bool(config.preload_kv), num_warps=config.num_warps,
         num_stages=config.num_stages,
         PREFETCH_ROW_BYTES=_prefetch_row_bytes(config, q, k_buffer, v_buffer),
-        PREFETCH_KEYS=PREFETCH_KEYS, PRELOAD_V=bool(config.preload_values),
-        **launch_options())
+        PREFETCH_KEYS=PREFETCH_KEYS, **launch_options())
     if direct:
         return out
     _decode_reduce_kernel[(batch, heads)](
