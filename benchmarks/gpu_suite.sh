@@ -1047,6 +1047,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q46c) run q46cspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
           make_model q46make qwen2-1.5b 50
           ROUNDS=${ROUNDS:-3} ab_stage q46cab benchmarks/ab_fortysixth_session_b.json 240 128 ;;
+    # the decode attention's pipelined kernel (the PDL wait inside the key loop): GPU specs, then
+    # the engine A/B at batch 128
+    q46d) run q46dspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
+          make_model q46make qwen2-1.5b 50
+          ROUNDS=${ROUNDS:-2} ab_stage q46dab benchmarks/ab_fortysixth_session_c.json 270 128 ;;
     q45k) run q45kernels 240 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --batch-sizes 128 \
               --out "$OUT/q45kernels.json" ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine
