@@ -100,8 +100,6 @@ def decode_kernel() -> None:
     from rollout.attention.triton_kernels import decode as dk
     heads, kv_heads, d, slots = 12, 2, 128, 4096
     cases = [(b, dk.decode_launch_config(b, kv_heads=kv_heads)) for b in (32, 128, 256)]
-    cases += [(128, dk.DecodeConfig(1, bn, w, st, pipelined=True))
-              for bn, w, st in ((128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4), (128, 4, 3))]
     for batch, cfg in cases:
         q = torch.empty(batch, heads, d, dtype=torch.bfloat16)
         kv = torch.empty(slots, kv_heads, d, dtype=torch.bfloat16)
@@ -109,8 +107,7 @@ def decode_kernel() -> None:
         part = torch.empty(batch, heads, cfg.splits, d)
         strides = (heads * d, d, kv_heads * d, d, kv_heads * d, d, 4096, heads * d, d, 0,
                    heads * cfg.splits, cfg.splits)
-        jit = dk._decode_pipelined_kernel if cfg.pipelined else dk._decode_partial_kernel
-        kernel = jit.warmup(
+        kernel = dk._decode_partial_kernel.warmup(
             q, kv, kv, torch.empty(batch, 4096, dtype=torch.int32), idx, idx, part, part, 0.088,
             *strides, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=d, BLOCK_H=16,
             BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, PRECISION="tf32",

@@ -108,8 +108,6 @@ def test_decode_kernel_matches_reference(head_dim, num_splits):
     decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True),
     decode.DecodeConfig(1, block_n=128, num_warps=4, num_stages=2, preload_kv=True,
                         prefetch_l2=True),
-    decode.DecodeConfig(1, block_n=64, num_warps=4, num_stages=3, pipelined=True),
-    decode.DecodeConfig(8, block_n=32, num_warps=4, num_stages=3, pipelined=True),
     decode.DecodeConfig(4, block_n=64, num_warps=2, num_stages=3, prefetch_l2=True),
     decode.DecodeConfig(1, block_n=64, num_warps=2, num_stages=4),
     decode.DecodeConfig(8, block_n=256, num_warps=8, num_stages=2, per_head=True),
@@ -187,9 +185,9 @@ def test_decode_l2_prefetch_is_a_hint(splits):
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
-@pytest.mark.parametrize("preload_kv,pipelined", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv, pipelined, splits):
+def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv, splits):
     """Another keys-per-block (and the warps/stages a tuned table may pick; the first block
     preloaded, then more blocks after it: one split of 40 keys at 16 keys a block): the same
     function; scratch larger than the splits used, as the backend allocates it."""
@@ -197,7 +195,7 @@ def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv, pipel
     q = torch.randn(len(SEQ_LENS), 4, 16, device=DEV)
     scratch = decode.decode_buffers(len(SEQ_LENS), 4, 16, 8, DEV)
     cfg = decode.DecodeConfig(splits=splits, block_n=block_n, num_warps=2, num_stages=2,
-                              preload_kv=preload_kv, pipelined=pipelined)
+                              preload_kv=preload_kv)
     out = decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
                            0.25, buffers=scratch, config=cfg)
     expected = torch.cat([reference(q[b:b + 1], p, b, 0.25) for b in range(len(SEQ_LENS))])
@@ -290,8 +288,7 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
         1, 128, 4, 2, True, False, True)
     assert decode.decode_launch_config(32, table=table, kv_heads=2).prefetch_l2 is False
     for bad in ("16:4,64", "x:1,64,2,3", "16:4,48,4,2", "16:0,64,4,2", ";", "16:8,32,4,2,2",
-                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,2", "16:8,32,4,2,1,1,1,2",
-                "16:8,32,4,2,1,1,1,1,1",
+                "16:8,32,4,2,1,2", "16:8,32,4,2,1,1,2", "16:8,32,4,2,1,1,1,1",
                 "2:8,32,4,2,1|8,256,8,2,2",
                 "2:8,32,4,2,1|8,256,8,2,1,1|8,256,8,2,1,1", "0:8,32,4,2"):
         monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", bad)

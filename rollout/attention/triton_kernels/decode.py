@@ -47,9 +47,6 @@ class DecodeConfig(NamedTuple):
     prefetch_l2: bool = False  # before the PDL wait, the programs of the first KV head ask L2
     # for the earlier keys and values of every KV head in their range (up to PREFETCH_KEYS):
     # a hint (the same bits), so that they stream while the kernel before runs
-    pipelined: bool = False  # _decode_pipelined_kernel: the PDL wait inside the first step of
-    # the key loop, so that the pipeliner's first async copies of keys and values (to shared
-    # memory, num_stages - 1 blocks) issue before it; preload_kv and prefetch_l2 unused
 
 
 @triton.jit
@@ -199,73 +196,6 @@ def _decode_reduce_kernel(
         m_i, l_i, acc = merge_partial(m_i, l_i, acc, lse, part, False)
     tl.store(O + b * stride_ob + head * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty),
              mask=d_mask)
-
-
-@triton.jit
-def _decode_pipelined_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, sm_scale,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PRELOAD_KV: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ROW_BYTES: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr,
-):
-    """_decode_partial_kernel's sums with the PDL wait in the key loop's first step: the
-    earlier keys and values (every key's but the new token's, which the kernel before wrote)
-    are the loop's loads, which the pipeliner issues stages ahead — its prologue before the
-    loop, so before the wait — as async copies into shared memory, holding no registers. The
-    new token's key and value, q, and every write come after the wait."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_g = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_g
-    h_mask = offs_g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    last = seq_len - 1
-    q = tl.zeros([BLOCK_H, BLOCK_D], Q.dtype.element_ty)
-    k_new = tl.zeros([BLOCK_D], K.dtype.element_ty)
-    v_new = tl.zeros([BLOCK_D], V.dtype.element_ty)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        old = n_mask & (offs_n != last)
-        slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k_t = _load_k_t(K, slots, kv_head, stride_kt, stride_kh, offs_d, d_mask, old)
-        v = _load_v(V, slots, kv_head, stride_vt, stride_vh, offs_d, d_mask, old)
-        if n0 == start:
-            pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
-            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-            new_slot = tl.load(ReqToToken + row * stride_r2t + last).to(tl.int64)
-            k_new = tl.load(K + new_slot * stride_kt + kv_head * stride_kh + offs_d, mask=d_mask,
-                            other=0.0)
-            v_new = tl.load(V + new_slot * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask,
-                            other=0.0)
-        new = offs_n == last
-        k_t = tl.where(new[None, :], k_new[:, None], k_t)
-        v = tl.where(new[:, None], v_new[None, :], v)
-        p, m_i, alpha, l_i = _block_probs(q, k_t, n_mask, m_i, l_i, sm_scale, PRECISION)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    if start < end:  # an empty split reads and writes nothing (and never waits)
-        out_ptr = PartO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-        if NUM_SPLITS == 1:
-            tl.store(out_ptr, (acc / l_i[:, None]).to(PartO.dtype.element_ty),
-                     mask=h_mask[:, None] & d_mask[None, :])
-        else:
-            tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
-            tl.store(PartLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i),
-                     mask=h_mask)
 
 
 LONG_CONTEXT_KEYS = 257  # past this many keys a context is long: more than one block of the
@@ -510,8 +440,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     direct = num_splits == 1
     dest, dest_strides = (out, (out.stride(0), out.stride(1), 0)) if direct else (
         part_o, (part_o.stride(0), part_o.stride(1), part_o.stride(2)))
-    kernel = _decode_pipelined_kernel if config.pipelined else _decode_partial_kernel
-    kernel[(batch, k_buffer.shape[1], num_splits)](
+    _decode_partial_kernel[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
