@@ -1052,11 +1052,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q46d) run q46dspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
           make_model q46make qwen2-1.5b 50
           ROUNDS=${ROUNDS:-2} ab_stage q46dab benchmarks/ab_fortysixth_session_c.json 270 128 ;;
-    # the rotary kernel's L2 prefetch of the decode attention's later keys: GPU spec, then the
-    # engine A/B at batch 128
-    q46e) run q46espec 120 python3 -m pytest -q -m gpu tests/test_fused_ops.py -k prefetch -p no:cacheprovider
-          make_model q46make qwen2-1.5b 50
-          ROUNDS=${ROUNDS:-3} ab_stage q46eab benchmarks/ab_fortysixth_session_d.json 240 128 ;;
     q45k) run q45kernels 240 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --batch-sizes 128 \
               --out "$OUT/q45kernels.json" ;;
     # the Gluon gate/up swept at 16-128 rows, then its winners at 32 and 64 rows in the engine

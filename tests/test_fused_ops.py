@@ -127,35 +127,6 @@ def test_rotary_in_place(dtype, rows, head_dim):
     check(qk, expected, dtype, exact=True)
 
 
-@gpu
-def test_rotary_kv_prefetch_is_a_hint():
-    """The rotary kernel's L2 prefetch of the decode attention's later keys and values
-    (`KVPrefetch`, bf16 Qwen2-1.5B heads, 128 requests of 1-300 keys): the same q, k, v and KV
-    cache bits as without it, and it is compiled in (a 512-byte slot row)."""
-    gen = torch.Generator().manual_seed(6)
-    rows, kv_heads, slots = 128, 2, 40000
-    lens = torch.randint(1, 301, (rows,), generator=gen)
-    r2t = torch.randperm(slots - 1, generator=gen)[:rows * 300].add(1).view(rows, 300)
-    r2t = r2t.to(DEV, torch.int32)
-    pool_rows = torch.arange(rows, device=DEV)
-    loc = r2t[pool_rows, lens.to(DEV) - 1].long()
-    qkv = rand(rows, 16 * 128, dtype=torch.bfloat16, seed=7)
-    cos, sin = rope(rows, 128, torch.bfloat16, seed=8)
-    kb = rand(slots, kv_heads, 128, dtype=torch.bfloat16, seed=9)
-    vb = rand(slots, kv_heads, 128, dtype=torch.bfloat16, seed=10)
-    prefetch = triton_ops.KVPrefetch(r2t, pool_rows, lens.to(DEV), 128)
-    assert triton_ops._prefetch_row_bytes(triton_ops.KVStore(None, loc, kb, vb)) == 512
-    results = []
-    for pf in (None, prefetch):
-        x, k, v = qkv.clone(), kb.clone(), vb.clone()
-        qk = x[:, :14 * 128].view(rows, 14, 128)
-        values = x[:, 14 * 128:].view(rows, 2, 128)
-        triton_ops.apply_rotary_inplace(qk, cos, sin, triton_ops.KVStore(values, loc, k, v),
-                                        prefetch=pf)
-        results.append((x, k, v))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)])

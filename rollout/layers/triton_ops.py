@@ -274,11 +274,9 @@ def _rotary_kernel(
     X, Cos, Sin, stride_xt, stride_xh, stride_ct, stride_st, H,
     V, Loc, KBuf, VBuf, stride_vt, stride_kb, stride_vb, Q_HEADS,
     P, Bias, stride_pt, stride_ps, QNormW, KNormW, NORM_Q_HEADS, eps,
-    ReqToToken, ReqPoolIdx, SeqLens, stride_r2t, pf_first,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr,
     STORE_KV: tl.constexpr, KV_ROW: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-    PF_KEYS: tl.constexpr, PF_ROW_BYTES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -298,19 +296,6 @@ def _rotary_kernel(
         kw2 = tl.load(KNormW + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         w1 = tl.where(is_q, qw1, kw1)
         w2 = tl.where(is_q, qw2, kw2)
-    if PF_KEYS > 0:  # KVPrefetch: L2, hold the attention's later keys and values of token t's
-        # request (a decode step: one token a request), a hint; the step's inputs only
-        if tl.program_id(1) == 0:
-            pf_len = tl.load(SeqLens + t).to(tl.int32)
-            pf_row = tl.load(ReqPoolIdx + t).to(tl.int64)
-            pf_n = pf_first + tl.arange(0, PF_KEYS)
-            pf_ok = pf_n < pf_len - 1  # not the new token's (this kernel writes it)
-            pf_slots = tl.load(ReqToToken + pf_row * stride_r2t + pf_n, mask=pf_ok,
-                               other=0).to(tl.int64)
-            eb: tl.constexpr = KBuf.dtype.element_ty.primitive_bitwidth // 8
-            size = PF_ROW_BYTES + 0 * pf_n
-            bulk_prefetch_l2(KBuf.to(tl.int64) + pf_slots * stride_kb * eb, size, pf_ok)
-            bulk_prefetch_l2(VBuf.to(tl.int64) + pf_slots * stride_vb * eb, size, pf_ok)
     pdl_wait(USE_PDL)  # before any read of an earlier kernel's output or any write
     p1 = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     dt = X.dtype.element_ty  # every product is its own rounded tensor in torch
@@ -366,22 +351,6 @@ class QKNorm(NamedTuple):
     q_heads: int
 
 
-class KVPrefetch(NamedTuple):
-    """What `apply_rotary_inplace(..., kv=..., prefetch=...)` asks L2 to hold for the decode
-    attention after it: the earlier keys and values of each token's request from key `first`
-    on (up to `keys` of them). A hint (no value changes); compiled kernels only."""
-    req_to_token: torch.Tensor
-    req_pool_indices: torch.Tensor  # [T] each token's request row (decode: one token each)
-    seq_lens: torch.Tensor  # [T] keys of each token's request, the new one included
-    first: int
-    keys: int = 128
-
-
-# ROLLOUT_ROTARY_KV_PREFETCH=1: the rotary kernel prefetches the decode attention's later keys
-# (A/B: forty-sixth session)
-ROTARY_KV_PREFETCH = os.environ.get("ROLLOUT_ROTARY_KV_PREFETCH", "0") == "1"
-
-
 class KVStore(NamedTuple):
     """Where `apply_rotary_inplace` also writes a step's keys and values: the last kv heads of
     x are the keys; `v` [T, kv_heads, head_dim] (rows contiguous), `loc` [T] KV slots, and the
@@ -394,8 +363,7 @@ class KVStore(NamedTuple):
 
 def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv: Optional[KVStore] = None, source: Optional[SplitSum] = None,
-                         qk_norm: Optional[QKNorm] = None,
-                         prefetch: Optional[KVPrefetch] = None) -> torch.Tensor:
+                         qk_norm: Optional[QKNorm] = None) -> torch.Tensor:
     """rotary.apply_rotary, written into x ([T, heads, head_dim], strided tokens and heads are
     fine); cos/sin [T, 1, head_dim / 2] of x's dtype. Returns x. With `kv`, the same launch
     stores the rotated keys (x's last kv heads) and the values into the KV cache, as
@@ -436,28 +404,14 @@ def apply_rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         split = (x, x, 0, 0)
     norm = ((qk_norm.q_weight, qk_norm.k_weight, qk_norm.q_heads, qk_norm.eps)
             if qk_norm is not None else (x, x, 0, 0.0))
-    pf_row_bytes = _prefetch_row_bytes(kv) if prefetch is not None and _COMPILED else 0
-    pf = ((prefetch.req_to_token, prefetch.req_pool_indices, prefetch.seq_lens,
-           prefetch.req_to_token.stride(0), prefetch.first) if pf_row_bytes else (x, x, x, 0, 0))
     _rotary_kernel[(t, triton.cdiv(heads, block_h))](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, *store,
-        *split, *norm, *pf, PF_KEYS=prefetch.keys if pf_row_bytes else 0,
-        PF_ROW_BYTES=pf_row_bytes, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
+        *split, *norm, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, COMPILED=_COMPILED,
         STORE_KV=kv is not None, KV_ROW=kv_row, BLOCK_KV=triton.next_power_of_2(kv_row),
         SPLIT=source.splits if source is not None else 1,
         HAS_BIAS=source is not None and source.bias is not None, QK_NORM=qk_norm is not None,
         num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False, **launch_options())
     return x
-
-
-def _prefetch_row_bytes(kv: Optional[KVStore]) -> int:
-    """A KV slot's row of every head in bytes where the bulk prefetch can take it (contiguous
-    rows on 16-byte boundaries), else 0."""
-    if kv is None:
-        return 0
-    row = kv.k_buffer.shape[1] * kv.k_buffer.shape[2] * kv.k_buffer.element_size()
-    ok = all(b.is_contiguous() and b.data_ptr() % 16 == 0 for b in (kv.k_buffer, kv.v_buffer))
-    return row if ok and row % 16 == 0 else 0
 
 
 def _source_values(x: torch.Tensor, source: SplitSum) -> torch.Tensor:
@@ -506,4 +460,4 @@ def _is_compiled(kernel) -> bool:
 _COMPILED = _is_compiled(_rms_norm_kernel)  # False under TRITON_INTERPRET=1
 
 __all__ = ["fused_add_rms_norm", "split_add_rms_norm", "rms_norm", "silu_and_mul",
-           "apply_rotary_inplace", "KVStore", "KVPrefetch", "QKNorm", "MAX_HIDDEN"]
+           "apply_rotary_inplace", "KVStore", "QKNorm", "MAX_HIDDEN"]

@@ -107,21 +107,8 @@ class DecoderAttention(nn.Module):
             qk, *rope, kv=triton_ops.KVStore(*target) if target is not None else None,
             source=split, qk_norm=triton_ops.QKNorm(self.q_norm.weight, self.k_norm.weight,
                                                     self.q_norm.eps, self.heads)
-            if fuse_norm else None, prefetch=self._kv_prefetch(fb))
+            if fuse_norm else None)
         return qk, v, target is not None
-
-    @staticmethod
-    def _kv_prefetch(fb: ForwardBatch):
-        """What the rotary kernel asks L2 to hold for the decode attention after it (A/B:
-        ROLLOUT_ROTARY_KV_PREFETCH=1): the keys after the attention's preloaded first block."""
-        from rollout.layers import triton_ops
-        meta = getattr(fb.attn_backend, "meta", None)
-        config = getattr(meta, "config", None)
-        if not (triton_ops.ROTARY_KV_PREFETCH and fb.forward_mode.is_decode
-                and config is not None and hasattr(config, "preload_kv")):
-            return None
-        return triton_ops.KVPrefetch(fb.attn_backend.req_to_token, fb.req_pool_indices,
-                                     fb.seq_lens, config.block_n if config.preload_kv else 0)
 
     def _fused_qkv_rope(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                         fb: ForwardBatch) -> Optional[torch.Tensor]:
