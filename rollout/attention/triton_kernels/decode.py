@@ -343,7 +343,11 @@ def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] 
     programs' earlier keys and values before the PDL wait (`prefetch_l2`) at 17-32 requests; in
     the engine (`ab_thirtysecond_session_e.json`, `_f.json`) the batch-32 decode graph 1.5040 ->
     1.4826 ms (two rounds; 19,251 -> 19,745 tok/s), while at 64 it lost (1.5279 -> 1.5524) and at
-    128 too (1.7484 -> 1.7632 / 1.7896, one round)."""
+    128 too (1.7484 -> 1.7632 / 1.7896, one round). Forty-sixth session, batch-128 decode graph
+    (docs/BENCHMARKS.md): the second block's slots before the wait 1.6835 -> 1.7502 ms, the
+    first block's values after it 1.6792 -> 1.7012, the wait inside a pipelined key loop (async
+    copies before it) 1.6820 -> 1.7815, qkv's rotary done in this kernel (no rotary kernel
+    before it, under whose run the preload overlaps) 1.6792 -> 1.7513."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         launch = next((c for edge, c in table if batch <= edge), table[-1][1])
         return launch.capped(max_splits)
