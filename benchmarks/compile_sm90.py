@@ -11,7 +11,7 @@ Use the device's Triton (3.6, pinned by its torch), installed beside this machin
   PYTHONPATH=/tmp/t36:. python benchmarks/compile_sm90.py [--engine | --decode]
 
 `--decode`: the decode attention's split kernel at the engine's launches (registers and spills
-a program, by ptxas).
+a program, by ptxas; async copies before the PDL wait).
 """
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ def engine_kernel() -> None:
 
 def decode_kernel() -> None:
     """The decode attention's split kernel (rollout/attention/triton_kernels/decode.py) at the
-    engine's launches for Qwen2-1.5B's heads: registers, spills and shared memory a program, with the engine's strides (Triton
-    specializes multiples of 16: unit strides would compile another kernel)."""
+    engine's launches for Qwen2-1.5B's heads: registers, spills and shared memory a program,
+    and its async copies before / after the PDL wait. With the engine's strides: Triton
+    specializes multiples of 16, and unit strides compile another kernel (no vector gathers)."""
     from rollout.attention.triton_kernels import decode as dk
     heads, kv_heads, d, slots = 12, 2, 128, 4096
     cases = [(b, dk.decode_launch_config(b, kv_heads=kv_heads)) for b in (32, 128, 256)]
@@ -113,12 +114,14 @@ def decode_kernel() -> None:
             BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, PRECISION="tf32",
             PRELOAD_KV=cfg.preload_kv, USE_PDL=True, PREFETCH_ROW_BYTES=0,
             PREFETCH_KEYS=dk.PREFETCH_KEYS,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(batch, kv_heads, cfg.splits))
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            grid=(batch, kv_heads, cfg.splits))
         ptx = kernel.asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         print(f"decode batch {batch} {cfg}: shared {kernel.metadata.shared} B, "
               f"{_ptxas_usage(ptx)}, async copies before / after the wait "
-              f"{ptx[:wait].count('cp.async.cg')} / {ptx[wait:].count('cp.async.cg')}", flush=True)
+              f"{ptx[:wait].count('cp.async.cg')} / {ptx[wait:].count('cp.async.cg')}",
+              flush=True)
 
 
 def _ptxas_usage(ptx: str) -> str:

@@ -202,10 +202,8 @@ def test_decode_kernel_launch_configs_match_reference(block_n, preload_kv, split
     assert (out - expected).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match="splits"):
         decode_attention(q, p.k, p.v, p.req_to_token, p.rows, torch.tensor(SEQ_LENS, device=DEV),
-                         0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, splits - 1,
-                                                             DEV) if splits > 1 else
-                         decode.DecodeScratch(*(t[:, :, :0] if t.dim() > 2 else t
-                                                for t in scratch)), config=cfg)
+                         0.25, buffers=decode.decode_buffers(len(SEQ_LENS), 4, 16, splits - 1, DEV),
+                         config=cfg)
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
