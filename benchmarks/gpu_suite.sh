@@ -1036,21 +1036,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           if [ "$(cat "$OUT/q45wqkv_configs.json" 2>/dev/null)" != "[]" ]; then
             make_model q45make qwen2-1.5b 40
             ROUNDS=${ROUNDS:-2} ab_stage q45ab4 benchmarks/ab_fortyfifth_session_d.json 120 128; fi ;;
-    # the decode attention's second block's slots before the PDL wait: GPU specs, then the
-    # engine A/B at batch 128 (ran at b4ddd43: the flag, since reverted, was the table's eighth)
-    q46b) run q46bspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
-          make_model q46make qwen2-1.5b 50
-          ROUNDS=${ROUNDS:-3} ab_stage q46bab benchmarks/ab_fortysixth_session.json 240 128 ;;
-    # the decode attention's first block with its keys alone before the PDL wait: GPU specs,
-    # then the engine A/B at batch 128 (ran at a806556; the flag since reverted)
-    q46c) run q46cspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
-          make_model q46make qwen2-1.5b 50
-          ROUNDS=${ROUNDS:-3} ab_stage q46cab benchmarks/ab_fortysixth_session_b.json 240 128 ;;
-    # the decode attention's pipelined kernel (the PDL wait inside the key loop): GPU specs, then
-    # the engine A/B at batch 128 (ran at 7e6ccfa; the kernel since reverted)
-    q46d) run q46dspec 200 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -k decode -p no:cacheprovider
-          make_model q46make qwen2-1.5b 50
-          ROUNDS=${ROUNDS:-2} ab_stage q46dab benchmarks/ab_fortysixth_session_c.json 270 128 ;;
     # the batch-128 decode graph kernel by kernel on the final table (PDL off, so the split adds up)
     q45k) run q45kernels 240 env ROLLOUT_PDL=0 python3 benchmarks/graph_kernel_profile.py --batch-sizes 128 \
               --out "$OUT/q45kernels.json" ;;
