@@ -1047,6 +1047,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # forty-seventh session: a prefill chunk's gate/up with the SiLU in the Gluon GEMM's epilogue
     q47a) run q47prefill 200 python3 benchmarks/gpu_prefill_gate_up.py --rows 4096 8192 \
               --out "$OUT/q47prefill.json" ;;
+    # ... and its persistent form (rollout/layers/gluon_prefill_gemm.py)
+    q47b) run q47persistent 240 python3 benchmarks/gpu_prefill_gate_up.py --rows 2048 4096 8192 \
+              --out "$OUT/q47persistent.json" ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
