@@ -1050,17 +1050,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # ... and its persistent form (rollout/layers/gluon_prefill_gemm.py)
     q47b) run q47persistent 240 python3 benchmarks/gpu_prefill_gate_up.py --rows 2048 4096 8192 \
               --out "$OUT/q47persistent.json" ;;
-    # if the persistent kernel beat cuBLAS + SiLU by 3% at 8,192 rows (q47b): its GPU specs, then
-    # the engine with it and without, prefill alone (one new token) and whole calls
-    q47c) if python3 -c "import json,sys; c = [c for c in json.load(open('$OUT/q47persistent.json'))['cases'] \
-              if c['rows'] == 8192][0]; best = min(g.get('us', 1e9) for g in c['gluon'] \
-              if g['kernel'] == 'persistent'); sys.exit(best > 0.97 * c['cublas_plus_silu_us'])"; then
-            run q47spec 200 python3 -m pytest -q -m gpu tests/test_gluon_prefill_gemm.py -p no:cacheprovider
-            make_model q47make qwen2-1.5b 90
-            run q47d 240 python3 benchmarks/engine_ab.py --variants benchmarks/ab_fortyseventh_session.json \
-              --rounds 3 --batch-sizes 128 --new-tokens 1 --repeats 5 --timeout-s 120 --out "$OUT/q47d.json"
-          else echo "q47c: the persistent kernel did not win at 8,192 rows"; fi ;;
-    q47e) ROUNDS=${ROUNDS:-2} ab_stage q47e benchmarks/ab_fortyseventh_session.json 300 128 ;;
     # where batch 128's decode step goes now: the fifteenth session's ablation at 128 rows
     q47abl) make_model q47make qwen2-1.5b 90
             ROUNDS=${ROUNDS:-1} ab_stage q47abl benchmarks/ab_fifteenth_session_ablation.json 480 128 ;;

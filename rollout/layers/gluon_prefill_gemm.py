@@ -134,22 +134,6 @@ def _persistent_kernel(x_desc, w_desc, e_desc, Y, M, N, K, stride_ym, BM: gl.con
         [1], [40])
 
 
-# The launch of a prefill's gate/up (its measure: the module docstring; where it serves:
-# linear.prefill_gate_up_silu).
-CONFIG = Config(128, 64, 1, 8, True, 4, 128, gluon=True)
-
-
-def gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu_and_mul(F.linear(x, weight_gate_up)) in one kernel (linear.prefill_gate_up_silu
-    checked the device, the dtype and the rows' alignment): weight
-    [2·inter, K], gate rows first; [M, inter] rounded as cuBLAS + silu_and_mul."""
-    if weight_gate_up.shape != (2 * inter, x.shape[1]):
-        raise ValueError(f"weight {tuple(weight_gate_up.shape)} is not [2·{inter}, "
-                         f"{x.shape[1]}]")
-    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-    return launch(x, weight_gate_up, out, True, CONFIG)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

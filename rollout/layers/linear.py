@@ -49,29 +49,6 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bo
     return triton_gemv.supports(x, weight, gated)
 
 
-# CUDA: a prefill chunk's gate/up + SiLU of at least this many rows in one persistent Gluon
-# kernel on Hopper (`gluon_prefill_gemm`), the SiLU in its epilogue, instead of cuBLAS + the SiLU
-# kernel (its measure: that module's docstring). ROLLOUT_PREFILL_GLUON=0: cuBLAS + SiLU.
-PREFILL_GLUON = os.environ.get("ROLLOUT_PREFILL_GLUON", "1") != "0"
-PREFILL_GLUON_MIN_ROWS = 8192
-
-
-def prefill_gate_up_silu(x: torch.Tensor, weight_gate_up: torch.Tensor,
-                         inter: int) -> Optional[torch.Tensor]:
-    """silu(gate) · up of a prefill chunk's rows by the persistent Gluon GEMM where it serves
-    (PREFILL_GLUON_MIN_ROWS and more, bf16, a Hopper GPU with Gluon, rows TMA can read); None
-    elsewhere (the caller then takes cuBLAS + the SiLU kernel)."""
-    if not (PREFILL_GLUON and x.is_cuda and x.dim() == 2 and x.shape[0] >= PREFILL_GLUON_MIN_ROWS
-            and x.dtype == weight_gate_up.dtype == torch.bfloat16):
-        return None
-    from rollout.layers import triton_gemv  # lazily: triton only where CUDA runs
-    if not (x.is_contiguous() and weight_gate_up.is_contiguous()
-            and triton_gemv._gluon_runs(x.device) and triton_gemv._tma_can_read(x, weight_gate_up)):
-        return None
-    from rollout.layers import gluon_prefill_gemm
-    return gluon_prefill_gemm.gate_up_silu(x, weight_gate_up, inter)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            packed: Optional[torch.Tensor] = None,
            defer_split: bool = False) -> Union[torch.Tensor, SplitSum]:

@@ -15,7 +15,7 @@ from rollout.layers.attention import Attention
 from rollout.layers.cpu_gemm import cpu_gate_up_silu, cpu_linear
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   prefill_gate_up_silu, use_skinny)
+                                   use_skinny)
 from rollout.layers.moe import SparseMoE
 from rollout.layers.norm import RMSNorm, rms_norm_ref
 from rollout.layers.one_row_blas import ONE_ROW_BLAS
@@ -216,15 +216,11 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate).mul_(up))
 
     def activation_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) · up on CUDA: the fused skinny kernel (decode rows) or the persistent Gluon
-        GEMM (a prefill chunk's rows) where it serves, else cuBLAS + SiLU."""
+        """silu(gate) · up on CUDA: the fused skinny kernel where it serves, else cuBLAS + SiLU."""
         w = self.gate_up_proj.weight
         if self.gate_up_proj.bias is None and use_skinny(x, w, gated=True):  # one kernel
             from rollout.layers import triton_gemv
             return triton_gemv.skinny_gate_up_silu(x, w, self.inter)
-        if self.gate_up_proj.bias is None and (
-                act := prefill_gate_up_silu(x, w, self.inter)) is not None:  # a prefill's
-            return act
         from rollout.layers import triton_ops
         return triton_ops.silu_and_mul(self.gate_up_proj(x))
 
