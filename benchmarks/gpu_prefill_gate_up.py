@@ -1,7 +1,6 @@
 """A prefill chunk's gate/up + SiLU: the engine's path (cuBLAS GEMM, then the SiLU·mul kernel)
-beside the Gluon GEMMs with the SiLU in their epilogue, in one process: the decode batches'
-kernel (rollout/layers/gluon_gemm.py, a tile a program, here at thousands of rows) and its
-persistent form (rollout/layers/gluon_prefill_gemm.py, a program an SM looping over tiles).
+beside the Gluon GEMM with the SiLU in its epilogue (rollout/layers/gluon_gemm.py, the decode
+batches' kernel, here at thousands of rows), in one process.
 
 Why: in batch 128's call the SiLU·mul kernel takes ~6 ms of the ≈80 ms prefill (it reads the
 [tokens, 2·inter] GEMM output and writes half of it, at the copy bandwidth); a GEMM that writes
@@ -27,17 +26,14 @@ INTER, HIDDEN = 8960, 1536
 
 
 def configs():
-    """(kernel, launch config) of the Gluon kernels: 128-row x tiles, two consumer warpgroups."""
+    """(block_n, stages) of the Gluon kernel: 128-row x tiles, two consumer warpgroups."""
     from rollout.layers.gemv_launch import Config
     for block_n, stages in ((128, 4), (128, 3), (64, 4), (64, 6), (136, 4)):
-        yield "tile", Config(block_n, 64, 1, 8, True, stages, 128, preload=0, gluon=True)
-    for block_n, stages in ((128, 4), (128, 3), (64, 6), (136, 4)):
-        yield "persistent", Config(block_n, 64, 1, 8, True, stages, 128, gluon=True)
+        yield Config(block_n, 64, 1, 8, True, stages, 128, preload=0, gluon=True)
 
 
 def run_rows(M: int, gen: torch.Generator) -> dict:
-    from rollout.layers import gluon_gemm, gluon_prefill_gemm, triton_ops
-    kernels = {"tile": gluon_gemm.launch, "persistent": gluon_prefill_gemm.launch}
+    from rollout.layers import gluon_gemm, triton_ops
     x = torch.randn(M, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(2 * INTER, HIDDEN, generator=gen, device="cuda") * HIDDEN ** -0.5).to(
         torch.bfloat16)
@@ -51,17 +47,16 @@ def run_rows(M: int, gen: torch.Generator) -> dict:
     rows["cublas_plus_silu_us"] = t * 1e6
     rows["cublas_tflops"] = flop / rows["cublas_gemm_us"] / 1e6
     rows["gluon"] = []
-    for kernel, cfg in configs():
-        entry = {"kernel": kernel, "block_n": cfg.block_n, "stages": cfg.num_stages}
-        launch = kernels[kernel]
+    for cfg in configs():
+        entry = {"block_n": cfg.block_n, "stages": cfg.num_stages}
         try:
             out.fill_(float("nan"))
-            launch(x, w, out, True, cfg)
+            gluon_gemm.launch(x, w, out, True, cfg)
             torch.cuda.synchronize()
             entry["rel_err"] = rel_err(out, ref)
             entry["equal_share"] = (out == ref).float().mean().item()
             if entry["rel_err"] <= 1e-2:
-                t = time_per_call(lambda i: launch(x, w, out, True, cfg), 1)
+                t = time_per_call(lambda i: gluon_gemm.launch(x, w, out, True, cfg), 1)
                 entry["us"] = t * 1e6
                 entry["tflops"] = flop / entry["us"] / 1e6
         except Exception as e:  # noqa: BLE001 - a config the kernel refuses or cannot fit
@@ -74,7 +69,7 @@ def run_rows(M: int, gen: torch.Generator) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--out")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1047,9 +1047,6 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # forty-seventh session: a prefill chunk's gate/up with the SiLU in the Gluon GEMM's epilogue
     q47a) run q47prefill 200 python3 benchmarks/gpu_prefill_gate_up.py --rows 4096 8192 \
               --out "$OUT/q47prefill.json" ;;
-    # ... and its persistent form (rollout/layers/gluon_prefill_gemm.py)
-    q47b) run q47persistent 240 python3 benchmarks/gpu_prefill_gate_up.py --rows 2048 4096 8192 \
-              --out "$OUT/q47persistent.json" ;;
     # where batch 128's decode step goes now: the fifteenth session's ablation at 128 rows
     q47abl) make_model q47make qwen2-1.5b 90
             ROUNDS=${ROUNDS:-1} ab_stage q47abl benchmarks/ab_fifteenth_session_ablation.json 480 128 ;;
