@@ -1050,6 +1050,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # where batch 128's decode step goes now: the fifteenth session's ablation at 128 rows
     q47abl) make_model q47make qwen2-1.5b 90
             ROUNDS=${ROUNDS:-1} ab_stage q47abl benchmarks/ab_fifteenth_session_ablation.json 480 128 ;;
+    # down and o at 128 rows on the Gluon GEMM split along K, in the engine
+    q47f) make_model q47make qwen2-1.5b 90
+          ab_stage q47f benchmarks/ab_fortyseventh_session.json 420 128 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
