@@ -1053,6 +1053,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # down and o at 128 rows on the Gluon GEMM split along K, in the engine
     q47f) make_model q47make qwen2-1.5b 90
           ab_stage q47f benchmarks/ab_fortyseventh_session.json 420 128 ;;
+    # down's new entry against the old, o and a deeper preload on top; its GPU specs; the table
+    q47g) make_model q47make qwen2-1.5b 90
+          ab_stage q47g benchmarks/ab_fortyseventh_session_b.json 240 128
+          run q47spec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
+            -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

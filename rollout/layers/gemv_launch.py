@@ -140,9 +140,12 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
     # and its reduce kernel; with its partials summed by the add + norm after it instead
     # (thirteenth session: down + add-norm 12.85 µs vs cuBLAS + add-norm 13.53) 1.8907 ->
-    # 1.8690 ms (benchmarks/ab_thirteenth_session.json).
-    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
-                                     prefetch_k=512),  # L2 prefetch: see gate/up's entry
+    # 1.8690 ms (benchmarks/ab_thirteenth_session.json). Forty-seventh session: the Gluon GEMM
+    # (64 weight rows a program, K split in 5: 120 programs, three of six stages' weight tiles
+    # before the PDL wait), which alone had lost to that entry (12.91 vs 12.35 µs, forty-fifth
+    # session), in the engine (benchmarks/ab_fortyseventh_session.json, two rounds each):
+    # batch-128 decode graph 1.6779 -> 1.6601 ms (128 rows x 11 splits: 1.7095).
+    (128, 1536, 8960, False): Config(64, 64, 5, 8, True, 6, 128, preload=3, gluon=True),
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
     # Small decode batches, 2-16 rows (a rollout's tail; thirtieth session). Until then every
     # GEMM at 2-16 rows ran on cuBLAS, outside the PDL chain, and a batch-2 decode step cost
@@ -236,6 +239,8 @@ GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
     (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # qkv: the whole rows
+    (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
+                                     prefetch_k=512),  # down: L2 prefetch as gate/up's
 }
 
 
