@@ -1058,6 +1058,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           ab_stage q47g benchmarks/ab_fortyseventh_session_b.json 240 128
           run q47spec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
             -p no:cacheprovider ;;
+    # with o's 128-row entry on the Gluon GEMM too: the specs that run the 128-row path
+    q47h) run q47hspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
+            tests/test_triton_pdl.py -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -22,6 +22,7 @@ from tests.helpers import H200CompileTarget, gpu  # noqa: E402
 KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
 QKV_KEY = (128, 2048, 1536, False)  # its qkv
 DOWN_KEY = (128, 1536, 8960, False)  # its down
+O_KEY = (128, 1536, 1536, False)  # its o
 # down at 128 rows split along K: 12 tiles of 128 weight rows x 11 K ranges = 132 programs
 DOWN = Config(128, 64, 11, 8, True, 6, 128, preload=3, gluon=True)
 
@@ -34,14 +35,16 @@ def _gluon():
     return gluon_gemm
 
 
-@pytest.mark.parametrize("key", [KEY, QKV_KEY, DOWN_KEY])
+@pytest.mark.parametrize("key", [KEY, QKV_KEY, DOWN_KEY, O_KEY])
 def test_table_names_the_gluon_kernel_and_its_fallback(key):
-    """The gate/up, qkv and down entries at 65-128 rows are the Gluon kernel (qkv and down split
-    along K: qkv's bias needs it, down's partials are summed by the add + norm after it); a GPU
-    that cannot run it (here: no GPU) gets the TMA entry it replaced."""
+    """The gate/up, qkv, down and o entries at 65-128 rows are the Gluon kernel (the plain
+    projections split along K: qkv's bias needs it, down's and o's partials are summed by the
+    add + norm after them); a GPU that cannot run it (here: no GPU) gets the TMA entry it
+    replaced."""
     cfg = gemv_launch._TUNED[key]
     assert cfg.gluon and not cfg.tma
-    assert (cfg.block_n, cfg.split_k) == {KEY: (72, 1), QKV_KEY: (64, 3), DOWN_KEY: (64, 5)}[key]
+    assert (cfg.block_n, cfg.split_k) == {KEY: (72, 1), QKV_KEY: (64, 3), DOWN_KEY: (64, 5),
+                                          O_KEY: (64, 4)}[key]
     for rows in (65, 100, 128):
         assert gemv_launch._config(rows, *key[1:]) == cfg
     fallback = gemv_launch.GLUON_FALLBACK[key]

@@ -127,7 +127,11 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # ms, 64 1.6312 -> 1.5986, 128 1.8728 -> 1.8692). With a reduce kernel they lose.
     (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
     (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
-    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True, prefetch_k=1536),
+    # 128 rows, forty-seventh session: the Gluon GEMM (64 weight rows a program, K split in 4:
+    # 96 programs), alone 5.24 µs vs 5.11 for the TMA entry it replaced (forty-fifth session), in
+    # the engine (benchmarks/ab_fortyseventh_session*.json, two rounds each) batch-128 decode
+    # graph 1.6779 -> 1.6733 ms, and with down on the Gluon GEMM 1.6609 -> 1.6532.
+    (128, 1536, 1536, False): Config(64, 64, 4, 8, True, 6, 128, preload=3, gluon=True),
     (256, 1536, 1536, False): None,
     # down at decode batches of 17-64 rows: TMA-fed, K = 8,960 split in 7 / 5 (fp32 partials
     # summed in split order), 64-row tiles 128 / 64 columns wide (tenth session; alone 10.5 µs
@@ -239,6 +243,7 @@ GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
     (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # qkv: the whole rows
+    (128, 1536, 1536, False): Config(64, 128, 2, 4, True, 4, 64, tma=True, prefetch_k=1536),
     (128, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 128, tma=True, swap_ab=True,
                                      prefetch_k=512),  # down: L2 prefetch as gate/up's
 }
