@@ -54,7 +54,8 @@ class Config(NamedTuple):
 # shapes: one row, and decode batches (used only where an entry here says the kernel wins: for
 # the fused gate/up + SiLU keys 64 and 128, i.e. batches of 33-128 rows; for qkv and o keys 32
 # to 128 (split along K: o at 32-128, qkv at 32), for down 32 to 128, all with TMA:
-# `bash benchmarks/gpu_suite.sh gemm-tma tma10`, thirteenth session `split-norm`);
+# `bash benchmarks/gpu_suite.sh gemm-tma tma10`, thirteenth session `split-norm`; at 65-128
+# rows every projection has since moved to the Gluon GEMM, the entries below);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
