@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_gemv import rel_err, run_info, copy_bandwidth, time_per_call
+from benchmarks.gpu_gemv import copy_bandwidth, rel_err, run_info, time_per_call
 
 INTER, HIDDEN = 8960, 1536
 

@@ -1,5 +1,6 @@
 """Spec: the warp-specialized Gluon GEMM (rollout/layers/gluon_gemm.py), the table's entry for
-Qwen2-1.5B's gate/up + SiLU and its qkv (split along K) at 65-128 rows on a Hopper GPU.
+Qwen2-1.5B's gate/up + SiLU and its qkv, o and down (split along K) at 65-128 rows on a Hopper
+GPU.
 
 Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
 kernel and the entry it replaced (what other GPUs take), the tile widths it refuses, and the

@@ -118,7 +118,8 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # and 5.73 for cuBLAS (benchmarks/gpu_gluon_gate_up.py --proj qkv); in the engine
     # (benchmarks/ab_fortyfifth_session.json, _b.json) the batch-128 decode graph 1.7040 ->
     # 1.6797 ms (three rounds each, ranges 1.7036-1.7054 and 1.6791-1.6804). On the same kernel
-    # o (5.24 vs the table's 5.11) and down (12.91 vs 12.35, cuBLAS 11.98) did not win alone.
+    # o (5.24 vs the table's 5.11) and down (12.91 vs 12.35, cuBLAS 11.98) did not win alone;
+    # in the engine they did (their entries below, forty-seventh session).
     (128, 2048, 1536, False): Config(64, 64, 3, 8, True, 6, 128, preload=3, gluon=True),
     (256, 2048, 1536, False): None,
     # o at decode batches split along K, its partials summed by the post-attention add + RMSNorm
