@@ -2,7 +2,9 @@
 decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process;
 `--proj down|o|qkv`: the same kernel as one of Qwen2-1.5B's plain projections (down 1,536 x
 8,960, o 1,536 x 1,536, qkv 2,048 x 1,536 with its bias) split along K, beside the table and
-cuBLAS.
+cuBLAS; `--prefill`: the gate/up + SiLU at a prefill chunk's thousands of rows (128-row x tiles,
+two consumer warpgroups, 128 gate and 128 up rows a tile, launched past the table's rows),
+beside cuBLAS + silu_and_mul, the path a prefill takes.
 
 Qwen2-1.5B's gate/up (17,920 x 1,536), bf16; µs a call in a CUDA graph of back-to-back calls
 rotating weight copies larger than L2 (benchmarks/gpu_gemv.py's timing); every Gluon result is
@@ -11,6 +13,7 @@ first checked against cuBLAS + silu_and_mul (relative error <= 1e-2, else not ti
   python benchmarks/gpu_gluon_gate_up.py --out $OUT/gluon_gate_up_sweep.json
   python benchmarks/gpu_gluon_gate_up.py --proj o --rows 128 --out $OUT/o.json \
       --configs-out $OUT/o_configs.json
+  python benchmarks/gpu_gluon_gate_up.py --prefill --rows 4096 8192 --out $OUT/prefill.json
 """
 from __future__ import annotations
 
@@ -26,8 +29,12 @@ from benchmarks.gpu_gemv import rel_err, time_per_call, weight_copies
 INTER, HIDDEN = 8960, 1536
 
 
-def configs(rows: int):
+def configs(rows: int, prefill: bool = False):
     from rollout.layers.triton_gemv import Config
+    if prefill:  # (weight rows a tile, stages); nothing before a PDL wait: prefills take none
+        for block_n, stages in ((128, 4), (128, 3), (64, 4), (64, 6), (136, 4)):
+            yield Config(block_n, 64, 1, 8, True, stages, 128, preload=0, gluon=True)
+        return
     for block_m, warps_list in ((64, (4,)), (128, (4, 8))):
         if block_m == 128 and rows <= 64:
             continue
@@ -62,6 +69,17 @@ def projection_configs(proj: str, wide: bool = False):
                 for preload in (3, stages) if wide else (3,):
                     yield Config(block_n, 64, split, warps, True, stages, block_m,
                                  preload=preload, gluon=True)
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
+    """The Gluon gate/up + SiLU at `cfg`: through the table's entry point up to its rows, past
+    them (a prefill chunk) the kernel's own launcher."""
+    from rollout.layers import gluon_gemm, triton_gemv
+    if x.shape[0] <= triton_gemv.BATCH_MAX_M:
+        return triton_gemv.skinny_gate_up_silu(x, w, INTER, config=cfg)
+    out = torch.empty(x.shape[0], INTER, dtype=x.dtype, device=x.device)
+    gluon_gemm.launch(x, w, out, True, cfg)
+    return out
 
 
 def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: float,
@@ -120,6 +138,8 @@ def main() -> None:
     p.add_argument("--proj", choices=sorted(PROJECTIONS), default=None,
                    help="sweep this plain projection (split along K) instead of gate/up")
     p.add_argument("--wide", action="store_true", help="--proj: more warps, tiles and stages")
+    p.add_argument("--prefill", action="store_true",
+                   help="gate/up at a prefill chunk's rows (--rows 4096 8192): its tiles")
     args = p.parse_args()
     if args.proj:
         return sweep_projection(args.proj, args.rows, args.out, args.configs_out, args.min_gain,
@@ -139,14 +159,12 @@ def main() -> None:
             (lambda i: triton_ops.silu_and_mul(F.linear(x, ws[i]))), len(ws))
         row = {"rows": m, "cublas_silu_us": cublas * 1e6, "table_us": table * 1e6,
                "table_kernel": "triton" if on_table else "cublas", "gluon": []}
-        for cfg in configs(m):
-            out = triton_gemv.skinny_gate_up_silu(x, ws[0], INTER, config=cfg)
+        for cfg in configs(m, args.prefill):
+            out = gate_up_silu(x, ws[0], cfg)
             entry = {"config": cfg._asdict(), "rel_err": rel_err(out, ref),
                      "same_bits_as_cublas_silu": bool(torch.equal(out, ref))}
             if entry["rel_err"] <= 1e-2:
-                entry["us"] = time_per_call(
-                    lambda i: triton_gemv.skinny_gate_up_silu(x, ws[i], INTER, config=cfg),
-                    len(ws)) * 1e6
+                entry["us"] = time_per_call(lambda i: gate_up_silu(x, ws[i], cfg), len(ws)) * 1e6
             row["gluon"].append(entry)
         best = min((e for e in row["gluon"] if "us" in e), key=lambda e: e["us"], default=None)
         print(f"rows {m}: cuBLAS + SiLU {row['cublas_silu_us']:.2f} µs, table "

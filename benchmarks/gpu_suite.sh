@@ -1045,7 +1045,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           if [ -s "$OUT/q43sweep_configs.json" ]; then make_model q43make qwen2-1.5b 90
             ab_stage q43ab2 benchmarks/ab_fortythird_session_b.json 240 32 64; fi ;;
     # forty-seventh session: a prefill chunk's gate/up with the SiLU in the Gluon GEMM's epilogue
-    q47a) run q47prefill 200 python3 benchmarks/gpu_prefill_gate_up.py --rows 4096 8192 \
+    # (it ran as gpu_prefill_gate_up.py, folded since into gpu_gluon_gate_up.py --prefill)
+    q47a) run q47prefill 200 python3 benchmarks/gpu_gluon_gate_up.py --prefill --rows 4096 8192 \
               --out "$OUT/q47prefill.json" ;;
     # where batch 128's decode step goes now: the fifteenth session's ablation at 128 rows
     q47abl) make_model q47make qwen2-1.5b 90
