@@ -1062,6 +1062,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # with o's 128-row entry on the Gluon GEMM too: the specs that run the 128-row path
     q47h) run q47hspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
+    # down, o, qkv (and gate/up) at 17-64 rows on the Gluon GEMM: its spec at fewer rows than
+    # the x tile, then the engine A/B at batches 32 and 64
+    q48a) run q48aspec 150 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
+          make_model q48make qwen2-1.5b 90
+          ab_stage q48a benchmarks/ab_fortyeighth_session.json 420 32 64 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
