@@ -1067,6 +1067,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q48a) run q48aspec 150 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
           make_model q48make qwen2-1.5b 90
           ab_stage q48a benchmarks/ab_fortyeighth_session.json 420 32 64 ;;
+    # q48a's winners at 17-64 rows confirmed, down left out at 17-32, qkv split in 4
+    q48b) make_model q48make qwen2-1.5b 90
+          ab_stage q48b benchmarks/ab_fortyeighth_session_b.json 480 32 64 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
