@@ -1070,6 +1070,12 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # q48a's winners at 17-64 rows confirmed, down left out at 17-32, qkv split in 4
     q48b) make_model q48make qwen2-1.5b 90
           ab_stage q48b benchmarks/ab_fortyeighth_session_b.json 480 32 64 ;;
+    # with qkv and o at 17-64 rows and down at 33-64 on the Gluon GEMM: the specs that run
+    # those paths (kernels, deferred sums, the fused-qkv fallbacks, the TMA entries they
+    # replaced, decode logits under PDL)
+    q48c) run q48cspec 280 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
+            tests/test_triton_qkv_rope.py tests/test_triton_gemv.py tests/test_triton_pdl.py \
+            -p no:cacheprovider ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

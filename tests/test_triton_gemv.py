@@ -489,20 +489,23 @@ def test_gpu_bf16_decode_batches(name):
 @gpu
 def test_gpu_tma_entries_in_a_graph_and_unaligned_rows():
     """The table's TMA entries for qkv and o (17-128 rows) and down split along K (17-64 rows)
-    replay in a CUDA graph bit for bit as eager; rows TMA cannot read (not 16-byte aligned) are
-    not offered to it. (The TMA gate/up entry, 33-64 rows, is
+    — where the table names the Gluon GEMM, the TMA entries it replaced, which GPUs without it
+    take — replay in a CUDA graph bit for bit as eager; rows TMA cannot read (not 16-byte
+    aligned) are not offered to it. (The TMA gate/up entry, 33-64 rows, is
     test_gpu_bf16_gate_up_silu_batches's 48 rows.)"""
     for name, rows in (("qkv", (24, 64, 128)), ("o", (24, 64, 128)), ("down", (24, 64))):
         n, k, has_bias = QWEN2_1_5B[name]
         w = rand(n, k, dtype=torch.bfloat16, seed=1) * k ** -0.5
         b = rand(n, dtype=torch.bfloat16, seed=2) if has_bias else None
         for m in rows:
-            assert triton_gemv._config(m, n, k).tma
+            key = (triton.next_power_of_2(m), n, k, False)
+            cfg = gemv_launch.GLUON_FALLBACK.get(key, triton_gemv._config(m, n, k))
+            assert cfg.tma, (name, m)
             x = rand(m, k, dtype=torch.bfloat16, seed=m)
-            eager = skinny_linear(x, w, b)
+            eager = skinny_linear(x, w, b, config=cfg)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = skinny_linear(x, w, b)
+                out = skinny_linear(x, w, b, config=cfg)
             graph.replay()
             assert torch.equal(out, eager) and rel_err(eager, F.linear(x, w, b)) <= 1e-2
         unaligned = rand(64, k + 1, dtype=torch.bfloat16)[:, 1:]  # rows 2 * 1537 bytes apart

@@ -106,8 +106,10 @@ def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
     w = torch.zeros(2048, 1536, device=DEV, dtype=torch.bfloat16)
     assert fused_config(x, w, heads) == triton_gemv._config(1, 2048, 1536)  # the engine's entry
     batch = torch.zeros(32, 1536, device=DEV, dtype=torch.bfloat16)
-    table = triton_gemv._config(32, 2048, 1536)
-    assert table.tma and table.split_k == 2  # the engine's: split, its sums in the rotary kernel
+    # what a GPU without the Gluon GEMM runs at 17-32 rows (here: no GPU): split, its sums in
+    # the rotary kernel
+    table = gemv_launch.GLUON_FALLBACK[(32, 2048, 1536, False)]
+    assert table.tma and table.split_k == 2
     assert fused_config(batch, w, heads) is None  # forced unsplit it lost
     unsplit = table._replace(split_k=1)
     monkeypatch.setitem(triton_gemv._TUNED, (32, 2048, 1536, False), unsplit)
@@ -127,17 +129,20 @@ def test_fused_config_takes_unsplit_fma_and_unswapped_tma_configs(monkeypatch):
     assert fused_config(x, w, heads) is None
 
 
-def test_fused_config_never_takes_a_gluon_entry(monkeypatch):
-    """At 65-128 rows the table names the Gluon GEMM (no rotary epilogue): where it runs, no
-    fused config; where it cannot (here: no GPU), the TMA entry it replaced, unsplit."""
+@pytest.mark.parametrize("rows,fused_fallback", [(32, False), (50, True), (100, True)])
+def test_fused_config_never_takes_a_gluon_entry(monkeypatch, rows, fused_fallback):
+    """At 17-128 rows the table names the Gluon GEMM (no rotary epilogue): where it runs, no
+    fused config; where it cannot (here: no GPU), the TMA entry it replaced where that is
+    unsplit (33-128 rows; at 17-32 it is split in 2, so the rotary kernel sums it)."""
     heads = QKVHeads(q=12, kv=2, dim=128)
     w = torch.zeros(2048, 1536, device=DEV, dtype=torch.bfloat16)
-    batch = torch.zeros(100, 1536, device=DEV, dtype=torch.bfloat16)
-    key = (128, 2048, 1536, False)
-    assert triton_gemv._config(100, 2048, 1536).gluon
+    batch = torch.zeros(rows, 1536, device=DEV, dtype=torch.bfloat16)
+    key = triton_gemv._table_key(batch, w, False)
+    assert triton_gemv._config(rows, 2048, 1536).gluon
     monkeypatch.setattr(triton_qkv_rope, "FUSED_QKV_ROPE", "1")
     monkeypatch.setattr(triton_gemv, "_gluon_runs", lambda device: False)
-    assert fused_config(batch, w, heads) == gemv_launch.GLUON_FALLBACK[key]
+    assert fused_config(batch, w, heads) == (gemv_launch.GLUON_FALLBACK[key] if fused_fallback
+                                             else None)
     monkeypatch.setattr(triton_gemv, "_gluon_runs", lambda device: True)
     assert fused_config(batch, w, heads) is None
 
@@ -164,9 +169,9 @@ def test_bad_inputs_are_refused():
 @gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 32, 64, 128])
 def test_gpu_bf16_qwen2_shapes_eager_and_in_a_graph(rows, monkeypatch):
-    """The engine's configs (one row and small batches of 2-4: FMA; 64: TMA; 32: the table's
-    TMA config unsplit; 128: the TMA entry the Gluon GEMM replaced), against the plain GEMM with
-    the same config and the rotary kernel."""
+    """The engine's configs (one row and small batches of 2-4: FMA; 32, 64 and 128: the TMA
+    entries the Gluon GEMM replaced, unsplit), against the plain GEMM with the same config and
+    the rotary kernel."""
     heads = QKVHeads(q=12, kv=2, dim=128)
     x, w, b, cos, sin, loc = case(rows, heads, 1536, torch.bfloat16, True, seed=5)
     key = (rows, 2048, 1536, False)

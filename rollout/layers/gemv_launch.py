@@ -40,7 +40,7 @@ class Config(NamedTuple):
     # software pipeline of this many stages (cp.async into shared memory), instead of lookahead
     dot_preload: int = 0  # dot kernel (not TMA): K chunks of the weight loaded before the PDL
     # wait (0 to 3)
-    gluon: bool = False  # a GEMM at 65-128 rows as the warp-specialized Gluon kernel
+    gluon: bool = False  # a GEMM at 17-128 rows as the warp-specialized Gluon kernel
     # (rollout/layers/gluon_gemm.py; Hopper): block_n = a power of two of 64-256 weight rows a
     # program + 0 or a power of two of extra rows (gluon_gemm.tile_rows),
     # num_warps its consumer warps (4 or 8), num_stages its shared-memory ring, preload the
@@ -58,6 +58,10 @@ class Config(NamedTuple):
 # rows every projection has since moved to the Gluon GEMM, the entries below);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
+# the Gluon GEMM at 17-64 rows (forty-eighth session): 64 weight rows and 64 x rows a program
+# (one consumer warpgroup), K chunks of 64, six stages, three of them loaded before the PDL
+# wait; each entry sets its K split
+_GLUON_64_ROWS = Config(64, 64, 1, 4, True, 6, 64, preload=3, gluon=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two
     # rows a program (seventh session, in the engine: batch-1 decode graph 1.324 -> 1.278 ms;
@@ -110,8 +114,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # (thirteenth session, benchmarks/ab_thirteenth_session_f.json: batch-32 decode graph
     # 1.5858 -> 1.5690 ms; at 64 rows a tie, 1.6025 / 1.6024; at 128 slower, 1.8611 -> 1.9218;
     # split in 3 slower at all three)
-    (32, 2048, 1536, False): _TMA_QKV_O._replace(split_k=2),
-    (64, 2048, 1536, False): _TMA_QKV_O,
+    # Forty-eighth session: at 17-64 rows the Gluon GEMM too, with 64-row x tiles (one consumer
+    # warpgroup; TMA zero-fills the rows past M), split in 3 as at 128 rows; the entries above
+    # are now its GLUON_FALLBACK. In the engine (benchmarks/ab_fortyeighth_session*.json, two
+    # rounds each) qkv alone: batch-32 decode graph 1.4943 -> 1.4755 ms, batch 64 1.5351 ->
+    # 1.5309; with o (and down at 33-64) on it as well: 1.4610 and 1.5002 (split in 4: 1.5118,
+    # 1.5902).
+    (32, 2048, 1536, False): _GLUON_64_ROWS._replace(split_k=3),
+    (64, 2048, 1536, False): _GLUON_64_ROWS._replace(split_k=3),
     # 65-128 rows (forty-fifth session): the Gluon GEMM (x's rows on wgmma's M side), 64 weight
     # rows a program split along K in 3 (32 x 3 = 96 programs), its partials and bias summed by
     # the rotary kernel. Alone 5.60 µs vs 5.93 for the TMA entry it replaced (GLUON_FALLBACK)
@@ -127,8 +137,11 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # rows 5.17 / 5.15 / 5.68 µs vs 5.93 / 5.74 / 5.86 with the unsplit _TMA_QKV_O; in the
     # engine, benchmarks/ab_thirteenth_session_b.json, decode graph batch 32 1.5996 -> 1.5830
     # ms, 64 1.6312 -> 1.5986, 128 1.8728 -> 1.8692). With a reduce kernel they lose.
-    (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
-    (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
+    # Forty-eighth session: at 17-64 rows the Gluon GEMM split in 4 (the entries above are its
+    # GLUON_FALLBACK): with qkv on it, batch-32 decode graph 1.4755 -> 1.4610 ms, batch 64
+    # 1.5309 -> 1.5002 (with down at 33-64; benchmarks/ab_fortyeighth_session_b.json).
+    (32, 1536, 1536, False): _GLUON_64_ROWS._replace(split_k=4),
+    (64, 1536, 1536, False): _GLUON_64_ROWS._replace(split_k=4),
     # 128 rows, forty-seventh session: the Gluon GEMM (64 weight rows a program, K split in 4:
     # 96 programs), alone 5.24 µs vs 5.11 for the TMA entry it replaced (forty-fifth session), in
     # the engine (benchmarks/ab_fortyseventh_session*.json, two rounds each) batch-128 decode
@@ -141,7 +154,11 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # ab_tenth_session.json, decode graph batch 32 1.6462 -> 1.6173 ms, batch 64 1.6672 ->
     # 1.6492). At 128 rows no config beat cuBLAS (12.0 µs; 12.05 swapped, 12.35 not).
     (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
-    (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
+    # Forty-eighth session: at 33-64 rows the Gluon GEMM split in 5 (the entry above is its
+    # GLUON_FALLBACK): batch-64 decode graph 1.5365 -> 1.5285 ms alone, 1.5151 with o, 1.5002
+    # with o and qkv (benchmarks/ab_fortyeighth_session.json); at 17-32 rows it lost (1.4927 ->
+    # 1.5198; with o and qkv 1.4833 against 1.4610 without it, _b.json), so the TMA entry stays.
+    (64, 1536, 8960, False): _GLUON_64_ROWS._replace(split_k=5),
     # 128 rows: cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35; in the engine (twelfth
     # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
     # and its reduce kernel; with its partials summed by the add + norm after it instead
@@ -242,6 +259,12 @@ BATCH_HEURISTIC = Config(64, 64, 1, 4, True, 3, 64)  # a decode batch: 64-row te
 # 1.8602 ms with qkv and o whole, gate/up 256 and down 512 columns; qkv and o alone 1.8687;
 # gate/up 512 and down whole 1.9546; at 32 and 64 rows every prefetch lost, 0.3-9%).
 GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
+    # 17-64 rows (forty-eighth session's Gluon entries): the TMA entries they replaced
+    (32, 2048, 1536, False): _TMA_QKV_O._replace(split_k=2),
+    (64, 2048, 1536, False): _TMA_QKV_O,
+    (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
+    (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
+    (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
     (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # qkv: the whole rows

@@ -16,7 +16,9 @@ plain GEMM's launch config:
     tiles of P rows, as its fused gate/up takes gate and up), where the table's config is
     unsplit (64-128 rows: in the engine, fifteenth session, decode graph batch 64 1.5743 ->
     1.5514 ms, batch 128 1.8482 -> 1.8484; forced unsplit at 32 rows it lost, 1.5501 -> 1.5621,
-    benchmarks/ab_fifteenth_session_d.json).
+    benchmarks/ab_fifteenth_session_d.json). On the H200 the table now names the Gluon GEMM at
+    17-128 rows (forty-fifth and forty-eighth sessions), split along K with its sums in the
+    rotary kernel, so this form runs where those entries fall back to TMA.
 
 Bit for bit the plain GEMM followed by `triton_ops.apply_rotary_inplace(..., kv=...)` (the
 specs check it). Used where `fused_config` says (and the pool takes a fused KV store);
