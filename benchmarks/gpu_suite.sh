@@ -1076,6 +1076,10 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q48c) run q48cspec 280 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_split_sum.py \
             tests/test_triton_qkv_rope.py tests/test_triton_gemv.py tests/test_triton_pdl.py \
             -p no:cacheprovider ;;
+    # the fused qkv spec at 64 rows on the fallback entry; qkv and o at 128 rows in 64-row x tiles
+    q48d) run q48dspec 150 python3 -m pytest -q -m gpu tests/test_triton_qkv_rope.py -p no:cacheprovider
+          make_model q48make qwen2-1.5b 90
+          ab_stage q48d benchmarks/ab_fortyeighth_session_c.json 330 128 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
