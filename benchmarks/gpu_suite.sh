@@ -1080,6 +1080,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q48d) run q48dspec 150 python3 -m pytest -q -m gpu tests/test_triton_qkv_rope.py -p no:cacheprovider
           make_model q48make qwen2-1.5b 90
           ab_stage q48d benchmarks/ab_fortyeighth_session_c.json 330 128 ;;
+    # down at 17-32 rows on the Gluon GEMM in other tiles and splits
+    q48e) make_model q48make qwen2-1.5b 90
+          ab_stage q48e benchmarks/ab_fortyeighth_session_d.json 300 32 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;
