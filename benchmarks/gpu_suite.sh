@@ -1083,6 +1083,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # down at 17-32 rows on the Gluon GEMM in other tiles and splits
     q48e) make_model q48make qwen2-1.5b 90
           ab_stage q48e benchmarks/ab_fortyeighth_session_d.json 300 32 ;;
+    # down's 32-row entry now Gluon 128 x 7: its specs; the same tiles at 64 and 128 rows
+    q48f) run q48fspec 130 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_gluon_gemm.py \
+            -k "down or model_logits or table_entry or fewer_rows" -p no:cacheprovider
+          make_model q48make qwen2-1.5b 90
+          ab_stage q48f benchmarks/ab_fortyeighth_session_e.json 260 64 128 ;;
     *) if [ -f "benchmarks/gpu_$stage.py" ]; then
          run "$stage" 540 python3 "benchmarks/gpu_$stage.py" --out "$OUT/$stage.json"
        else echo "unknown stage $stage"; fi ;;

@@ -1,6 +1,6 @@
 """Spec: the warp-specialized Gluon GEMM (rollout/layers/gluon_gemm.py), the table's entry for
-Qwen2-1.5B's gate/up + SiLU and its qkv, o and down (split along K) at 65-128 rows, and qkv and
-o at 17-64 rows and down at 33-64, on a Hopper GPU.
+Qwen2-1.5B's gate/up + SiLU and its qkv, o and down (split along K) at 65-128 rows, and qkv, o
+and down at 17-64 rows, on a Hopper GPU.
 
 Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
 kernel and the entry it replaced (what other GPUs take), the tile widths it refuses, and the
@@ -42,13 +42,13 @@ GLUON_ENTRIES = {KEY: (72, 1, 128), QKV_KEY: (64, 3, 128), DOWN_KEY: (64, 5, 128
                  # 17-64 rows (forty-eighth session): one consumer warpgroup's 64 x rows
                  (32, 2048, 1536, False): (64, 3, 64), (64, 2048, 1536, False): (64, 3, 64),
                  (32, 1536, 1536, False): (64, 4, 64), (64, 1536, 1536, False): (64, 4, 64),
-                 (64, 1536, 8960, False): (64, 5, 64)}
+                 (32, 1536, 8960, False): (128, 7, 64), (64, 1536, 8960, False): (64, 5, 64)}
 
 
 @pytest.mark.parametrize("key", list(GLUON_ENTRIES))
 def test_table_names_the_gluon_kernel_and_its_fallback(key):
-    """The gate/up, qkv, down and o entries at 65-128 rows, and qkv's and o's at 17-64 and
-    down's at 33-64, are the Gluon kernel (the plain projections split along K: qkv's bias
+    """The gate/up, qkv, down and o entries at 65-128 rows, and qkv's, o's and down's at 17-64,
+    are the Gluon kernel (the plain projections split along K: qkv's bias
     needs it, down's and o's partials are summed by the add + norm after them); a GPU that
     cannot run it (here: no GPU) gets the TMA entry it replaced."""
     cfg = gemv_launch._TUNED[key]

@@ -191,8 +191,7 @@ def test_split_sum_refuses_bad_partials():
 def test_gpu_down_split_then_add_norm_in_a_graph(rows):
     """down (K = 8,960) split along K, its partials summed by the add + norm: the same bits as
     reduce + fused_add_rms_norm, eager and replayed in a CUDA graph. At 32-128 rows the table's
-    entry (at 64 and 128 the Gluon GEMM on a Hopper GPU, elsewhere the TMA one it replaced; at
-    32 TMA)."""
+    entry (the Gluon GEMM on a Hopper GPU, elsewhere the TMA one it replaced)."""
     w = rand(1536, 8960, dtype=torch.bfloat16, seed=1) * 8960 ** -0.5
     x = rand(rows, 8960, dtype=torch.bfloat16, seed=2)
     res = rand(rows, 1536, dtype=torch.bfloat16, seed=3)

@@ -153,11 +153,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # vs cuBLAS 11.5 at 32 rows, 10.6 vs 11.6 at 64; in the engine, benchmarks/
     # ab_tenth_session.json, decode graph batch 32 1.6462 -> 1.6173 ms, batch 64 1.6672 ->
     # 1.6492). At 128 rows no config beat cuBLAS (12.0 µs; 12.05 swapped, 12.35 not).
-    (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
+    # Forty-eighth session: at 17-32 rows the Gluon GEMM in the same tiles, 128 weight rows x 7
+    # K ranges (84 programs; the entry above is its GLUON_FALLBACK): batch-32 decode graph 1.4582
+    # -> 1.4352 ms (benchmarks/ab_fortyeighth_session_d.json; 64 rows x 5, 7 and 11 ranges lost:
+    # 1.5198 in _session.json, 1.5410 and 1.5300).
+    (32, 1536, 8960, False): _GLUON_64_ROWS._replace(block_n=128, split_k=7),
     # Forty-eighth session: at 33-64 rows the Gluon GEMM split in 5 (the entry above is its
     # GLUON_FALLBACK): batch-64 decode graph 1.5365 -> 1.5285 ms alone, 1.5151 with o, 1.5002
-    # with o and qkv (benchmarks/ab_fortyeighth_session.json); at 17-32 rows it lost (1.4927 ->
-    # 1.5198; with o and qkv 1.4833 against 1.4610 without it, _b.json), so the TMA entry stays.
+    # with o and qkv (benchmarks/ab_fortyeighth_session.json).
     (64, 1536, 8960, False): _GLUON_64_ROWS._replace(split_k=5),
     # 128 rows: cuBLAS 12.0 µs, the TMA kernel split 5: 12.05-12.35; in the engine (twelfth
     # session, benchmarks/ab_twelfth_session.json) batch-128 graph 1.8896 -> 1.8987 ms with it
@@ -264,6 +267,7 @@ GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (64, 2048, 1536, False): _TMA_QKV_O,
     (32, 1536, 1536, False): Config(64, 128, 4, 4, True, 4, 64, tma=True),
     (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
+    (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
     (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
