@@ -135,6 +135,16 @@ def reference(x, w, inter):
     return triton_ops.silu_and_mul(F.linear(x, w))
 
 
+def replayed(call):
+    """What `call` returns when captured in a CUDA graph and replayed once."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    return out
+
+
 def _hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is Hopper's (wgmma)")
@@ -185,12 +195,7 @@ def test_gpu_tilings_and_pdl_variants_give_the_same_bits():
                 base._replace(preload=0), base._replace(preload=2)]
     for cfg in variants:
         assert torch.equal(skinny_gate_up_silu(x, w, inter, config=cfg), ref), cfg
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = skinny_gate_up_silu(x, w, inter, config=base)
-    graph.replay()
-    assert torch.equal(out, ref)
+    assert torch.equal(replayed(lambda: skinny_gate_up_silu(x, w, inter, config=base)), ref)
 
 
 @gpu
@@ -212,12 +217,8 @@ def test_gpu_projection_split_along_k(rows):
             deferred = skinny_linear(x, w, config=cfg, defer_split=True)
             assert deferred.partials.shape[0] == cfg.split_k
             assert torch.equal(deferred.tensor(), out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = skinny_linear(x, w, config=DOWN)
-    graph.replay()
-    assert torch.equal(replayed, skinny_linear(x, w, config=DOWN))
+    assert torch.equal(replayed(lambda: skinny_linear(x, w, config=DOWN)),
+                       skinny_linear(x, w, config=DOWN))
 
 
 @gpu
@@ -268,9 +269,4 @@ def test_gpu_fewer_rows_than_the_x_tile(rows):
     gated = tile._replace(num_stages=8)
     out = skinny_gate_up_silu(x, w, inter, config=gated)
     assert rel_err(out, reference(x, w, inter)) <= 1e-2
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = skinny_gate_up_silu(x, w, inter, config=gated)
-    graph.replay()
-    assert torch.equal(replayed, out)
+    assert torch.equal(replayed(lambda: skinny_gate_up_silu(x, w, inter, config=gated)), out)
