@@ -48,9 +48,9 @@ GLUON_ENTRIES = {KEY: (72, 1, 128), QKV_KEY: (64, 3, 128), DOWN_KEY: (64, 5, 128
 @pytest.mark.parametrize("key", list(GLUON_ENTRIES))
 def test_table_names_the_gluon_kernel_and_its_fallback(key):
     """The gate/up, qkv, down and o entries at 65-128 rows, and qkv's, o's and down's at 17-64,
-    are the Gluon kernel (the plain projections split along K: qkv's bias
-    needs it, down's and o's partials are summed by the add + norm after them); a GPU that
-    cannot run it (here: no GPU) gets the TMA entry it replaced."""
+    are the Gluon kernel (the plain projections split along K: qkv's bias needs it, down's and
+    o's partials are summed by the add + norm after them); a GPU that cannot run it (here: no
+    GPU) gets the TMA entry it replaced."""
     cfg = gemv_launch._TUNED[key]
     assert cfg.gluon and not cfg.tma
     assert (cfg.block_n, cfg.split_k, cfg.block_m) == GLUON_ENTRIES[key]

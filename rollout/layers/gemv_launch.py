@@ -58,9 +58,9 @@ class Config(NamedTuple):
 # rows every projection has since moved to the Gluon GEMM, the entries below);
 # other shapes take the heuristic. µs per call in a CUDA graph, weights from HBM.
 _TMA_QKV_O = Config(32, 128, 1, 4, True, 6, 64, tma=True)
-# the Gluon GEMM at 17-64 rows (forty-eighth session): 64 weight rows and 64 x rows a program
-# (one consumer warpgroup), K chunks of 64, six stages, three of them loaded before the PDL
-# wait; each entry sets its K split
+# the Gluon GEMM at 17-64 rows (forty-eighth session): 64 x rows a program (one consumer
+# warpgroup), K chunks of 64, six stages, three of them loaded before the PDL wait; each entry
+# sets its K split (and down at 17-32 rows its 128 weight rows a program instead of 64)
 _GLUON_64_ROWS = Config(64, 64, 1, 4, True, 6, 64, preload=3, gluon=True)
 _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # qkv and o: the whole weight row block (3 chunks of 512) loaded before the PDL wait, two

@@ -10,11 +10,11 @@ Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, 
 tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
 triton_gemm_tma: the fused gate/up + SiLU at 33-64 rows; the warp-specialized Gluon kernel,
 `Config.gluon`, rollout/layers/gluon_gemm.py: gate/up at 65-128 rows, and qkv, o and down at
-17-128 rows, where cuBLAS's ~5-6 µs is latency, not bandwidth), down
-and o at 17-128 rows split along K, their partials summed by the add + norm that reads them, qkv
-at 17-128 rows by the rotary kernel; down at 129-256 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and
-everywhere off CUDA); like triton_ops this module is imported lazily on first GPU use, so a CPU
-test can turn on TRITON_INTERPRET=1 first.
+17-128 rows, where cuBLAS's ~5-6 µs is latency, not bandwidth; down and o split along K, their
+partials summed by the add + norm that reads them, qkv by the rotary kernel; down at 129-256
+rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
+triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
+TRITON_INTERPRET=1 first.
 
 Two main kernels, picked by the launch config (`Config.dot`):
   * FMA (`_gemv_fma_kernel`, best at M = 1 and perhaps 2-4): an fp32 [BLOCK_M, BLOCK_N, BLOCK_K]
