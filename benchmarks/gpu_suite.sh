@@ -1084,6 +1084,17 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     q48e) make_model q48make qwen2-1.5b 90
           ab_stage q48e benchmarks/ab_fortyeighth_session_d.json 300 32 ;;
     # down's 32-row entry now Gluon 128 x 7: its specs; the same tiles at 64 and 128 rows
+    # forty-ninth session: gate and up rows in one wgmma (the gated Gluon GEMM): its GPU specs,
+    # the gate/up sweep with this tree and with 3471a17's (base49.tar: git archive 3471a17
+    # rollout benchmarks pyproject.toml, carried untracked), the engine A/B of the two trees
+    q49a) mkdir -p /tmp/base49 && tar -xf base49.tar -C /tmp/base49
+          run q49spec 120 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
+          run q49sweep 150 python3 benchmarks/gpu_gluon_gate_up.py --rows 32 64 128 \
+              --out "$OUT/q49sweep.json" --configs-out "$OUT/q49sweep_configs.json"
+          make_model q49make qwen2-1.5b 90
+          ab_stage q49a benchmarks/ab_fortyninth_session.json 300 32 64 128
+          (cd /tmp/base49 && PYTHONPATH=/tmp/base49 run q49sweep_base 100 python3 \
+              benchmarks/gpu_gluon_gate_up.py --rows 128 --out "$OUT/q49sweep_base.json") ;;
     q48f) run q48fspec 130 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_gluon_gemm.py \
             -k "down or model_logits or table_entry or fewer_rows" -p no:cacheprovider
           make_model q48make qwen2-1.5b 90

@@ -10,6 +10,8 @@ both its partitions exactly when PDL is on. On the H200 (`gpu`): against cuBLAS 
 past the last tile, K past the last chunk), and every tiling and PDL variant the config offers
 gives the same bits eagerly and in a CUDA graph. (The model-level specs with its shapes run it
 too: test_triton_pdl's decode logits at 128 rows under every trigger policy.)"""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,9 @@ def test_launch_args_refuse_what_the_kernel_cannot_run_and_clamp_the_preload():
         g._launch_args(x, w, y, False, DOWN)
     with pytest.raises(ValueError, match="bias only split"):
         g._launch_args(x, w, y, False, DOWN._replace(split_k=1), has_bias=True)
+    with pytest.raises(ValueError, match="256 columns at most"):
+        g._launch_args(x, torch.empty(3072, 1536, dtype=torch.bfloat16), y, True,
+                       gemv_launch._TUNED[KEY]._replace(block_n=256))
     with pytest.raises(ValueError, match="no K split when gated"):
         g._launch_args(x, torch.empty(3072, 1536, dtype=torch.bfloat16), y, True,
                        DOWN._replace(split_k=2))
@@ -116,6 +121,10 @@ def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl, gated):
         driver._active = previous
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") > 0
+    if gated:  # gate and up rows in one wgmma (x's tile read from shared memory once for
+        # both), the extra rows' in another: 2 x (64 + 8) columns
+        shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+        assert shapes == {"m64n128k16", "m64n16k16"}, shapes
     assert ptx.count("griddepcontrol.wait") == (2 if use_pdl else 0)
     assert ptx.count("griddepcontrol.launch_dependents") == (1 if use_pdl else 0)
 

@@ -60,22 +60,26 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _load_weights(w_desc, e_desc, g_buf, u_buf, eg_buf, eu_buf, bar, off_n, N, k,
-                  MAIN: gl.constexpr, EXTRA: gl.constexpr, GATED: gl.constexpr):
-    """One K chunk of the tile's weight rows (gate and up rows when gated; and the extra rows)
-    into a stage."""
-    _tma_load(w_desc, [off_n, k], bar, g_buf)
+def _load_weights(w_desc, e_desc, w_buf, e_buf, bar, off_n, N, k, MAIN: gl.constexpr,
+                  EXTRA: gl.constexpr, GATED: gl.constexpr):
+    """One K chunk of the tile's weight rows into a stage: its main rows, gated the gate rows
+    then the up rows in one buffer (one wgmma takes both); the extra rows likewise."""
     if GATED:
-        _tma_load(w_desc, [N + off_n, k], bar, u_buf)
+        _tma_load(w_desc, [off_n, k], bar, w_buf.slice(0, MAIN))
+        _tma_load(w_desc, [N + off_n, k], bar, w_buf.slice(MAIN, MAIN))
+    else:
+        _tma_load(w_desc, [off_n, k], bar, w_buf)
     if EXTRA > 0:
-        _tma_load(e_desc, [off_n + MAIN, k], bar, eg_buf)
         if GATED:
-            _tma_load(e_desc, [N + off_n + MAIN, k], bar, eu_buf)
+            _tma_load(e_desc, [off_n + MAIN, k], bar, e_buf.slice(0, EXTRA))
+            _tma_load(e_desc, [N + off_n + MAIN, k], bar, e_buf.slice(EXTRA, EXTRA))
+        else:
+            _tma_load(e_desc, [off_n + MAIN, k], bar, e_buf)
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, ready, empty,
-              off_m, off_n, k_start, N, num_k, BK: gl.constexpr, MAIN: gl.constexpr,
+def _producer(x_desc, w_desc, e_desc, x_bufs, w_bufs, e_bufs, ready, empty, off_m, off_n,
+              k_start, N, num_k, BK: gl.constexpr, MAIN: gl.constexpr,
               EXTRA: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
               PRELOAD: gl.constexpr, USE_PDL: gl.constexpr):
     """The loading warp: chunk i into stage i % STAGES once the consumers freed it; the first
@@ -87,9 +91,8 @@ def _producer(x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, 
         _gdc_launch_dependents()
     for i in gl.static_range(PRELOAD):  # PRELOAD <= STAGES and <= num_k (_launch_args)
         mbarrier.expect(ready.index(i), nbytes)
-        _load_weights(w_desc, e_desc, g_bufs.index(i), u_bufs.index(i), eg_bufs.index(i),
-                      eu_bufs.index(i), ready.index(i), off_n, N, k_start + i * BK, MAIN,
-                      EXTRA, GATED)
+        _load_weights(w_desc, e_desc, w_bufs.index(i), e_bufs.index(i), ready.index(i), off_n,
+                      N, k_start + i * BK, MAIN, EXTRA, GATED)
     if USE_PDL:
         _gdc_wait()
         if USE_PDL != EARLY_TRIGGER:
@@ -103,8 +106,8 @@ def _producer(x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, 
         mbarrier.expect(ready.index(s), nbytes)
         k = k_start + i * BK
         _tma_load(x_desc, [off_m, k], ready.index(s), x_bufs.index(s))
-        _load_weights(w_desc, e_desc, g_bufs.index(s), u_bufs.index(s), eg_bufs.index(s),
-                      eu_bufs.index(s), ready.index(s), off_n, N, k, MAIN, EXTRA, GATED)
+        _load_weights(w_desc, e_desc, w_bufs.index(s), e_bufs.index(s), ready.index(s), off_n,
+                      N, k, MAIN, EXTRA, GATED)
 
 
 @gluon.jit
@@ -129,70 +132,81 @@ def _store(acc, acc_up, Y, P, M, N, stride_ym, pid_k, offs_m, offs_n, GATED: gl.
 
 
 @gluon.jit
-def _mma_chunk(xs, g_buf, u_buf, eg_buf, eu_buf, acc_g, acc_u, acc_eg, acc_eu,
-               EXTRA: gl.constexpr, GATED: gl.constexpr, OUTSTANDING: gl.constexpr):
-    """One K chunk's MMAs issued, then a wait until OUTSTANDING chunks' MMAs are in flight."""
-    acc_g = warpgroup_mma(xs, g_buf.permute((1, 0)), acc_g, is_async=True)
-    if GATED:
-        acc_u = warpgroup_mma(xs, u_buf.permute((1, 0)), acc_u, is_async=True)
+def _mma_chunk(xs, w_buf, e_buf, acc_w, acc_e, EXTRA: gl.constexpr, OUTSTANDING: gl.constexpr):
+    """One K chunk's MMAs issued (gated: gate and up rows in one wgmma, which reads x's tile
+    from shared memory once for both), then a wait until OUTSTANDING chunks' MMAs are in
+    flight."""
+    acc_w = warpgroup_mma(xs, w_buf.permute((1, 0)), acc_w, is_async=True)
     if EXTRA > 0:
-        acc_eg = warpgroup_mma(xs, eg_buf.permute((1, 0)), acc_eg, is_async=True)
-        if GATED:
-            acc_eu = warpgroup_mma(xs, eu_buf.permute((1, 0)), acc_eu, is_async=True)
-    return _mma_wait(acc_g, acc_u, acc_eg, acc_eu, EXTRA, GATED, OUTSTANDING)
+        acc_e = warpgroup_mma(xs, e_buf.permute((1, 0)), acc_e, is_async=True)
+    return _mma_wait(acc_w, acc_e, EXTRA, OUTSTANDING)
 
 
 @gluon.jit
-def _mma_wait(acc_g, acc_u, acc_eg, acc_eu, EXTRA: gl.constexpr, GATED: gl.constexpr,
-              OUTSTANDING: gl.constexpr):
+def _mma_wait(acc_w, acc_e, EXTRA: gl.constexpr, OUTSTANDING: gl.constexpr):
     """warpgroup_mma_wait over the live accumulators (one MMA each a chunk)."""
-    if GATED and EXTRA > 0:
-        acc_g, acc_u, acc_eg, acc_eu = warpgroup_mma_wait(
-            num_outstanding=4 * OUTSTANDING, deps=(acc_g, acc_u, acc_eg, acc_eu))
-    elif GATED:
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2 * OUTSTANDING, deps=(acc_g, acc_u))
-    elif EXTRA > 0:
-        acc_g, acc_eg = warpgroup_mma_wait(num_outstanding=2 * OUTSTANDING,
-                                           deps=(acc_g, acc_eg))
+    if EXTRA > 0:
+        acc_w, acc_e = warpgroup_mma_wait(num_outstanding=2 * OUTSTANDING, deps=(acc_w, acc_e))
     else:
-        acc_g = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc_g,))
-    return acc_g, acc_u, acc_eg, acc_eu
+        acc_w = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc_w,))
+    return acc_w, acc_e
 
 
 @gluon.jit
-def _consumer(x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, ready, empty, Y, P, M, N, stride_ym,
-              off_m, off_n, pid_k, num_k, BM: gl.constexpr, MAIN: gl.constexpr,
-              EXTRA: gl.constexpr, GATED: gl.constexpr, SPLIT: gl.constexpr,
-              STAGES: gl.constexpr, WARPS: gl.constexpr, USE_PDL: gl.constexpr):
+def _unmerge(acc, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+             GATED: gl.constexpr):
+    """(gate, up) sums [ROWS, COLS] of a gated accumulator [ROWS, 2 COLS] (gate columns, then
+    up columns) in `layout`, the MMA layout of COLS columns: a thread of the wide MMA holds
+    column c and c + COLS, so the split moves no data. Not gated: (acc, acc)."""
+    if GATED:
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [ROWS, 2, COLS]), (0, 2, 1)))
+        first = gl.convert_layout(gate, layout, assert_trivial=True)
+        second = gl.convert_layout(up, layout, assert_trivial=True)
+    else:
+        first = acc
+        second = acc
+    return first, second
+
+
+@gluon.jit
+def _consumer(x_bufs, w_bufs, e_bufs, ready, empty, Y, P, M, N, stride_ym, off_m, off_n, pid_k,
+              num_k, BM: gl.constexpr, MAIN: gl.constexpr, EXTRA: gl.constexpr,
+              GATED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              WARPS: gl.constexpr, USE_PDL: gl.constexpr):
     """The MMA warpgroups: the tile's sums over its K range, one chunk's MMAs in flight, each
     stage freed once its MMAs retired; then the epilogue."""
+    halves: gl.constexpr = 2 if GATED else 1
+    ew: gl.constexpr = EXTRA if EXTRA > 0 else 8
     main: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                    instr_shape=[16, MAIN, 16])
-    ew: gl.constexpr = EXTRA if EXTRA > 0 else 8
     side: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                    instr_shape=[16, ew, 16])
+    wide: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                   instr_shape=[16, halves * MAIN, 16])
+    wide_side: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                        warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, halves * ew, 16])
     if USE_PDL:
         _gdc_wait()  # the rule of triton_pdl: no write before the wait (x comes after it anyway)
-    acc_g = gl.zeros([BM, MAIN], gl.float32, main)
-    acc_u = gl.zeros([BM, MAIN], gl.float32, main)
-    acc_eg = gl.zeros([BM, ew], gl.float32, side)
-    acc_eu = gl.zeros([BM, ew], gl.float32, side)
+    acc_w = gl.zeros([BM, halves * MAIN], gl.float32, wide)
+    acc_e = gl.zeros([BM, halves * ew], gl.float32, wide_side)
     for i in range(num_k):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        acc_g, acc_u, acc_eg, acc_eu = _mma_chunk(
-            x_bufs.index(s), g_bufs.index(s), u_bufs.index(s), eg_bufs.index(s),
-            eu_bufs.index(s), acc_g, acc_u, acc_eg, acc_eu, EXTRA, GATED, 1)
+        acc_w, acc_e = _mma_chunk(x_bufs.index(s), w_bufs.index(s), e_bufs.index(s), acc_w,
+                                  acc_e, EXTRA, 1)
         # this chunk's MMAs may still run; the previous chunk's have retired: free its stage
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-    acc_g, acc_u, acc_eg, acc_eu = _mma_wait(acc_g, acc_u, acc_eg, acc_eu, EXTRA, GATED, 0)
+    acc_w, acc_e = _mma_wait(acc_w, acc_e, EXTRA, 0)
+    acc, acc_up = _unmerge(acc_w, main, BM, MAIN, GATED)
     offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, main))
     offs_n = off_n + gl.arange(0, MAIN, layout=gl.SliceLayout(0, main))
-    _store(acc_g, acc_u, Y, P, M, N, stride_ym, pid_k, offs_m, offs_n, GATED, SPLIT)
+    _store(acc, acc_up, Y, P, M, N, stride_ym, pid_k, offs_m, offs_n, GATED, SPLIT)
     if EXTRA > 0:
+        acc, acc_up = _unmerge(acc_e, side, BM, ew, GATED)
         offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, side))
         offs_n = off_n + MAIN + gl.arange(0, EXTRA, layout=gl.SliceLayout(0, side))
-        _store(acc_eg, acc_eu, Y, P, M, N, stride_ym, pid_k, offs_m, offs_n, GATED, SPLIT)
+        _store(acc, acc_up, Y, P, M, N, stride_ym, pid_k, offs_m, offs_n, GATED, SPLIT)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -209,27 +223,23 @@ def _gemm_kernel(x_desc, w_desc, e_desc, Y, P, M, N, K, K_SPLIT, stride_ym, BM: 
     k_start = pid_k * K_SPLIT
     num_k = gl.cdiv(gl.minimum(K - k_start, K_SPLIT), BK)
     ew: gl.constexpr = EXTRA if EXTRA > 0 else 8
+    halves: gl.constexpr = 2 if GATED else 1  # gated: gate rows then up rows in one buffer
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, MAIN, BK], w_desc.layout)
-    eg_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, ew, BK], e_desc.layout)
-    if GATED:
-        u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, MAIN, BK], w_desc.layout)
-        eu_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, ew, BK], e_desc.layout)
-    else:  # never read
-        u_bufs = g_bufs
-        eu_bufs = eg_bufs
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, halves * MAIN, BK],
+                                       w_desc.layout)
+    e_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, halves * ew, BK], e_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize(
-        [(_consumer, (x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, ready, empty, Y, P, M, N,
-                      stride_ym, off_m, off_n, pid_k, num_k, BM, MAIN, EXTRA, GATED, SPLIT,
-                      STAGES, WARPS, USE_PDL)),
-         (_producer, (x_desc, w_desc, e_desc, x_bufs, g_bufs, u_bufs, eg_bufs, eu_bufs, ready,
-                      empty, off_m, off_n, k_start, N, num_k, BK, MAIN, EXTRA, GATED, STAGES,
-                      PRELOAD, USE_PDL))],
+        [(_consumer, (x_bufs, w_bufs, e_bufs, ready, empty, Y, P, M, N, stride_ym, off_m,
+                      off_n, pid_k, num_k, BM, MAIN, EXTRA, GATED, SPLIT, STAGES, WARPS,
+                      USE_PDL)),
+         (_producer, (x_desc, w_desc, e_desc, x_bufs, w_bufs, e_bufs, ready, empty, off_m,
+                      off_n, k_start, N, num_k, BK, MAIN, EXTRA, GATED, STAGES, PRELOAD,
+                      USE_PDL))],
         [1], [40])
 
 
@@ -269,6 +279,9 @@ def _launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gated
                          f"consumer warps (16 rows a warp at least), no K split when gated and "
                          f"no empty K range: {x.dtype}, block_m {bm}, {cfg.num_warps} warps, "
                          f"split {split} of {k_split} columns for K = {K}")
+    if gated and main > 128:
+        raise ValueError(f"block_n={cfg.block_n}: gated, the Gluon GEMM's gate and up rows "
+                         "share one wgmma, 256 columns at most (a main tile of 128 rows)")
     if has_bias and split == 1:
         raise ValueError("the Gluon GEMM takes a bias only split along K (its partials' sum "
                          "adds it; the epilogue has none)")
