@@ -1091,6 +1091,8 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           run q49spec 120 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py -p no:cacheprovider
           run q49sweep 150 python3 benchmarks/gpu_gluon_gate_up.py --rows 32 64 128 \
               --out "$OUT/q49sweep.json" --configs-out "$OUT/q49sweep_configs.json"
+          run q49prefill 90 python3 benchmarks/gpu_gluon_gate_up.py --prefill --rows 4096 8192 \
+              --out "$OUT/q49prefill.json"
           make_model q49make qwen2-1.5b 90
           ab_stage q49a benchmarks/ab_fortyninth_session.json 300 32 64 128
           (cd /tmp/base49 && PYTHONPATH=/tmp/base49 run q49sweep_base 100 python3 \
