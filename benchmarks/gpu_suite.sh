@@ -1097,6 +1097,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           ab_stage q49a benchmarks/ab_fortyninth_session.json 300 32 64 128
           (cd /tmp/base49 && PYTHONPATH=/tmp/base49 run q49sweep_base 100 python3 \
               benchmarks/gpu_gluon_gate_up.py --rows 128 --out "$OUT/q49sweep_base.json") ;;
+    # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
+    q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
+            tests/test_triton_pdl.py -p no:cacheprovider ;;
     q48f) run q48fspec 130 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_gluon_gemm.py \
             -k "down or model_logits or table_entry or fewer_rows" -p no:cacheprovider
           make_model q48make qwen2-1.5b 90

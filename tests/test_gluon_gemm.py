@@ -44,15 +44,17 @@ GLUON_ENTRIES = {KEY: (72, 1, 128), QKV_KEY: (64, 3, 128), DOWN_KEY: (64, 5, 128
                  # 17-64 rows (forty-eighth session): one consumer warpgroup's 64 x rows
                  (32, 2048, 1536, False): (64, 3, 64), (64, 2048, 1536, False): (64, 3, 64),
                  (32, 1536, 1536, False): (64, 4, 64), (64, 1536, 1536, False): (64, 4, 64),
-                 (32, 1536, 8960, False): (128, 7, 64), (64, 1536, 8960, False): (64, 5, 64)}
+                 (32, 1536, 8960, False): (128, 7, 64), (64, 1536, 8960, False): (64, 5, 64),
+                 # gate/up at 33-64 rows (forty-ninth session)
+                 (64, 17920, 1536, True): (72, 1, 64)}
 
 
 @pytest.mark.parametrize("key", list(GLUON_ENTRIES))
 def test_table_names_the_gluon_kernel_and_its_fallback(key):
-    """The gate/up, qkv, down and o entries at 65-128 rows, and qkv's, o's and down's at 17-64,
-    are the Gluon kernel (the plain projections split along K: qkv's bias needs it, down's and
-    o's partials are summed by the add + norm after them); a GPU that cannot run it (here: no
-    GPU) gets the TMA entry it replaced."""
+    """The gate/up, qkv, down and o entries at 65-128 rows, qkv's, o's and down's at 17-64 and
+    gate/up's at 33-64 are the Gluon kernel (the plain projections split along K: qkv's bias
+    needs it, down's and o's partials are summed by the add + norm after them); a GPU that
+    cannot run it (here: no GPU) gets the TMA entry it replaced."""
     cfg = gemv_launch._TUNED[key]
     assert cfg.gluon and not cfg.tma
     assert (cfg.block_n, cfg.split_k, cfg.block_m) == GLUON_ENTRIES[key]
@@ -258,8 +260,9 @@ def test_gpu_fewer_rows_than_the_x_tile(rows):
     """17-64 rows in a 64-row x tile (one consumer warpgroup; TMA zero-fills the rows past M,
     the epilogue stores none of them): down, o and qkv (+ bias) split along K in 5, 4 and 3,
     within 1e-2 of F.linear with their deferred partials summing to the same bits; gate/up +
-    SiLU on 64 + 64 weight rows in 8 stages within 1e-2 of cuBLAS + silu_and_mul; eager and
-    from a CUDA graph."""
+    SiLU at the table's entry (64 + 8 gate and as many up rows, 8 stages) and on 64 + 0 rows
+    within 1e-2 of cuBLAS + silu_and_mul, the same bits as each other; eager and from a CUDA
+    graph."""
     _hopper()
     from rollout.layers.triton_gemv import skinny_linear
     tile = gemv_launch._GLUON_64_ROWS  # the table's 17-64-row entries, their splits set below
@@ -275,7 +278,8 @@ def test_gpu_fewer_rows_than_the_x_tile(rows):
     inter, k = 8960, 1536
     w = rand(2 * inter, k, seed=3) * k ** -0.5
     x = rand(rows, k, seed=rows)
-    gated = tile._replace(num_stages=8)
+    gated = gemv_launch._TUNED[(64, 2 * inter, k, True)]
     out = skinny_gate_up_silu(x, w, inter, config=gated)
     assert rel_err(out, reference(x, w, inter)) <= 1e-2
+    assert torch.equal(skinny_gate_up_silu(x, w, inter, config=gated._replace(block_n=64)), out)
     assert torch.equal(replayed(lambda: skinny_gate_up_silu(x, w, inter, config=gated)), out)

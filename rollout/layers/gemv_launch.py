@@ -75,9 +75,14 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # decode graph 1.0584 -> 1.0350 ms; it had loaded after the first two chunks' FMAs)
     (1, 17920, 1536, True): Config(2, 512, 1, 2, False, 3, preload=2, lookahead=True),
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5 (TMA: graph +6% at batch 32)
-    # TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel without TMA,
-    # cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA qkv/o)
-    (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
+    # 33-64 rows: TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel
+    # without TMA, cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA
+    # qkv/o). Forty-ninth session: the Gluon GEMM (64 + 8 weight rows a program, one consumer
+    # warpgroup, eight stages, all loaded before the PDL wait; the entry above is its
+    # GLUON_FALLBACK) once its gate and up rows shared one wgmma: alone 16.25 µs vs 19.03, in
+    # the engine the batch-64 decode graph 1.4952 -> 1.4881 ms (benchmarks/
+    # ab_fortyninth_session.json, two rounds)
+    (64, 17920, 1536, True): Config(72, 64, 1, 4, True, 8, 64, preload=8, gluon=True),
     # 65-128 rows (forty-third session): the warp-specialized Gluon kernel, x's rows on wgmma's M
     # side, 64 + 8 weight rows a program (125 programs for the H200's 132 SMs), two consumer
     # warpgroups, six stages, three stages' weights loaded before the PDL wait. Alone 20.2 µs
@@ -269,6 +274,7 @@ GLUON_FALLBACK: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (64, 1536, 1536, False): Config(32, 128, 2, 4, True, 6, 64, tma=True),
     (32, 1536, 8960, False): Config(128, 128, 7, 4, True, 4, 64, tma=True),
     (64, 1536, 8960, False): Config(64, 128, 5, 4, True, 4, 64, tma=True),
+    (64, 17920, 1536, True): Config(32, 64, 1, 4, True, 4, 64, tma=True),
     (128, 17920, 1536, True): Config(64, 64, 1, 4, True, 3, 64, tma=True, swap_ab=True,
                                      prefetch_k=256),
     (128, 2048, 1536, False): _TMA_QKV_O._replace(prefetch_k=1536),  # qkv: the whole rows
