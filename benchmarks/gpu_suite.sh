@@ -1100,6 +1100,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
+    # and the model-level specs through the 33-128-row paths (deferred sums, fused qkv fallbacks)
+    q49d) run q49dspec 240 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_triton_qkv_rope.py \
+            tests/test_fused_ops.py -p no:cacheprovider ;;
     # gate/up at 17-32 rows on the Gluon GEMM in the engine; then the batch-128 layer's kernels
     # under Nsight Compute (the Gluon GEMMs' DRAM, L2 and tensor-pipe counters)
     q49c) make_model q49make qwen2-1.5b 90
