@@ -263,6 +263,8 @@ def main() -> None:
                         "leaves HF's model room in the same process at 7-8B shapes")
     p.add_argument("--no-prefill-graphs", action="store_true",
                    help="prefills run eagerly (decode graphs stay)")
+    p.add_argument("--prefill-graph-tokens", type=int, nargs="+", default=None,
+                   help="EngineConfig.cuda_graph_prefill_tokens (default: the engine's)")
     p.add_argument("--prefill-graph-requests", type=int, nargs="+", default=None,
                    help="EngineConfig.cuda_graph_prefill_requests (default: the engine's; 1: "
                         "one-request prefill graphs only)")
@@ -299,7 +301,8 @@ def run(args) -> dict:
                                  prefix_cache=args.prefix_cache,
                                  attention_backend=args.attention_backend,
                                  cuda_graph=not args.no_cuda_graph,
-                                 cuda_graph_prefill_tokens=() if args.no_prefill_graphs else None,
+                                 cuda_graph_prefill_tokens=() if args.no_prefill_graphs else (
+                                     args.prefill_graph_tokens and tuple(args.prefill_graph_tokens)),
                                  cuda_graph_prefill_requests=args.prefill_graph_requests
                                  and tuple(args.prefill_graph_requests),
                                  max_running_requests=args.max_running or max(args.batch_sizes),

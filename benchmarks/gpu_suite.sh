@@ -1103,6 +1103,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # and the model-level specs through the 33-128-row paths (deferred sums, fused qkv fallbacks)
     q49d) run q49dspec 240 python3 -m pytest -q -m gpu tests/test_split_sum.py tests/test_triton_qkv_rope.py \
             tests/test_fused_ops.py -p no:cacheprovider ;;
+    # batch 128's prefill steps on CUDA graphs (8,192 and 8,448 tokens), or in steps of 4,096
+    q49e) make_model q49make qwen2-1.5b 90
+          ROUNDS=${ROUNDS:-3} ab_stage q49e benchmarks/ab_fortyninth_session_c.json 300 128 ;;
     # gate/up at 17-32 rows on the Gluon GEMM in the engine; then the batch-128 layer's kernels
     # under Nsight Compute (the Gluon GEMMs' DRAM, L2 and tensor-pipe counters)
     q49c) make_model q49make qwen2-1.5b 90

@@ -258,7 +258,8 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
 BATCH_HEURISTIC = Config(64, 64, 1, 4, True, 3, 64)  # a decode batch: 64-row tensor-core tiles
 
 # What a GPU that cannot run a Gluon entry (no Hopper, or a Triton without Gluon's Hopper module)
-# takes instead: the entries they replaced. Gate/up at 65-128 rows: TMA-fed with swapped A/B
+# takes instead: the entries they replaced (gate/up at 33-64 rows: the TMA entry above its
+# Gluon entry in _TUNED). Gate/up at 65-128 rows: TMA-fed with swapped A/B
 # (the weight tile on wgmma's 64-row side, x's 64 rows on the other; tenth session: alone 22.0
 # µs vs 22.8 for the kernel without TMA and 23.1 for cuBLAS + SiLU; batch-128 decode graph
 # 1.9803 -> 1.9506 ms, benchmarks/ab_tenth_session_b.json), its first 256 columns prefetched

@@ -7,10 +7,10 @@ its whole weight to multiply it by a handful of rows. cuBLAS's GEMV/GEMM kernels
 shapes reach only 55-75% of an H200's bandwidth; these kernels stream each weight row block once,
 coalesced along K, and use it for all M rows, so the weight is read exactly once per call.
 Decode batches (17..BATCH_MAX_M rows) run the tensor-core kernel tiled along M, only where the
-tuned table says it beats cuBLAS (on an H200, all with their tiles loaded by TMA — `Config.tma`,
-triton_gemm_tma: the fused gate/up + SiLU at 33-64 rows; the warp-specialized Gluon kernel,
-`Config.gluon`, rollout/layers/gluon_gemm.py: gate/up at 65-128 rows, and qkv, o and down at
-17-128 rows, where cuBLAS's ~5-6 µs is latency, not bandwidth; down and o split along K, their
+tuned table says it beats cuBLAS (on an H200 the warp-specialized Gluon kernel, `Config.gluon`,
+rollout/layers/gluon_gemm.py: the fused gate/up + SiLU at 33-128 rows, and qkv, o and down at
+17-128 rows, where cuBLAS's ~5-6 µs is latency, not bandwidth; a GPU without Gluon takes the
+TMA-fed entries they replaced, `Config.tma`, triton_gemm_tma; down and o split along K, their
 partials summed by the add + norm that reads them, qkv by the rotary kernel; down at 129-256
 rows stays on cuBLAS). The caller keeps cuBLAS elsewhere (and everywhere off CUDA); like
 triton_ops this module is imported lazily on first GPU use, so a CPU test can turn on
