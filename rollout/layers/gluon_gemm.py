@@ -10,14 +10,17 @@ shared-memory stages (`ready` / `empty` mbarriers) while the consumer warpgroups
 wgmmas and keep one K chunk's MMAs in flight. x's rows go on wgmma's M side (64 a warpgroup)
 and the weight rows on N, which takes any multiple of 8 up to 256: a program's tile is a power
 of two of weight rows (gate and up rows when gated) plus `extra` more (`Config.block_n` = main +
-extra), so that the tiles can match the SM count: Qwen2-1.5B's 8,960 gate rows in tiles of 64
-+ 8 make 125, one an SM of the H200's 132, where 64-row tiles make 140 (eight SMs run two). TMA
-boxes and Triton tensors are powers of two, hence the extra rows' own box and sums. Gated, a stage
-holds the tile's gate rows and then its up rows in one buffer, and one wgmma takes both (one
-more the extra rows): every wgmma reads its x operand from shared memory, and four a K step
-(gate, up and their extra rows) had read x's tile four times. Forty-ninth session: the 128-row
-gate/up alone 18.6 µs (the forty-third session's sweep, another machine: 20.2), the batch-128
-decode graph -0.8% in the engine A/B (benchmarks/ab_fortyninth_session.json).
+extra), so that the tiles can match the SM count: Qwen2-1.5B's 8,960 gate rows in tiles of
+64 + 8 make 125, one an SM of the H200's 132, where 64-row tiles make 140 (eight SMs run two).
+TMA boxes and Triton tensors are powers of two, hence the extra rows' own box and sums.
+
+Gated, a stage holds the tile's gate rows and then its up rows in one buffer, and one wgmma takes
+both (one more the extra rows): a wgmma reads its x operand from shared memory, and the four a K
+step had (gate, up and their extra rows) read x's tile four times. Forty-ninth session: the
+batch-128 decode graph -0.75% in the engine A/B (benchmarks/ab_fortyninth_session.json); alone
+the 128-row gate/up timed 18.6 µs (19.6-20.2 in the forty-third session's runs, on other
+machines) and 22.2 under Nsight Compute (22.5 before): alone it waits on its stages, not on
+shared memory.
 
 PDL (rollout/triton_pdl.py): the producer issues the weight tiles of its first
 `Config.preload` stages before its PDL wait (no kernel of the step writes the weights) and x's
