@@ -10,7 +10,12 @@ both its partitions exactly when PDL is on. On the H200 (`gpu`): against cuBLAS 
 past the last tile, K past the last chunk), and every tiling and PDL variant the config offers
 gives the same bits eagerly and in a CUDA graph. (The model-level specs with its shapes run it
 too: test_triton_pdl's decode logits at 128 rows under every trigger policy.)"""
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +25,7 @@ pytest.importorskip("triton")
 
 from rollout.layers import gemv_launch, triton_gemv  # noqa: E402
 from rollout.layers.triton_gemv import Config, skinny_gate_up_silu  # noqa: E402
-from tests.helpers import H200CompileTarget, gpu  # noqa: E402
+from tests.helpers import gpu  # noqa: E402
 
 KEY = (128, 17920, 1536, True)  # Qwen2-1.5B's gate/up at 65-128 rows
 QKV_KEY = (128, 2048, 1536, False)  # its qkv
@@ -101,27 +106,54 @@ def test_launch_args_refuse_what_the_kernel_cannot_run_and_clamp_the_preload():
     assert g._launch_args(x, w, y, False, cfg._replace(split_k=4))[2]["PRELOAD"] == 6
 
 
+_COMPILE_SM90 = """
+import json, sys
+import torch
+from triton.runtime import driver
+from tests.helpers import H200CompileTarget
+driver.set_active(H200CompileTarget())
+from rollout.layers import gemv_launch, gluon_gemm
+cfgs = json.loads(sys.argv[1])
+ptx = {}
+for name, (gated, n, k, cfg) in cfgs.items():
+    x = torch.empty(128, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    y = torch.empty(128, n // 2 if gated else n, dtype=torch.bfloat16)
+    for pdl in (0, 1, 2):
+        kernel = gluon_gemm.compile_for_sm90(x, w, y, gated, gemv_launch.Config(**cfg), pdl)
+        ptx[f"{pdl}-{gated}"] = kernel.asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict[str, str]:
+    """The table's gate/up entry and down split along K compiled for sm_90 under each PDL mode
+    ("{use_pdl}-{gated}" -> PTX), in a child process without TRITON_INTERPRET: Triton's
+    interpreter patches triton.language for the whole process while it runs a kernel, so a
+    compile here could meet the patches of a thread an earlier test left interpreting (one
+    CI run saw it)."""
+    _gluon()
+    cfgs = {"gate_up": (True, 17920, 1536, gemv_launch._TUNED[KEY]._asdict()),
+            "down": (False, 1536, 8960, DOWN._asdict())}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(cfgs)], cwd=root,
+                         env=env | {"PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(root), env.get("PYTHONPATH")]))},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("use_pdl", [0, 1, 2])
-def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl, gated):
+def test_compiles_for_sm90_and_waits_in_both_partitions(use_pdl, gated, sm90_ptx):
     """The table's configs (gate/up; down split along K), as `launch` would run them, compile
     to wgmma with the warps split (setmaxnreg); under PDL each partition waits
     (griddepcontrol.wait: the producer before x's loads, the consumers before their first MMA)
     and the kernel triggers its successor once."""
-    g = _gluon()
-    from triton.runtime import driver
-    n, k = (17920, 1536) if gated else (1536, 8960)
-    cfg = gemv_launch._TUNED[KEY] if gated else DOWN
-    x = torch.empty(128, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    y = torch.empty(128, n // 2 if gated else n, dtype=torch.bfloat16)
-    previous = driver._active  # None until a launch asked for one (on CPU: none to ask)
-    driver.set_active(H200CompileTarget())
-    try:
-        kernel = g.compile_for_sm90(x, w, y, gated, cfg, use_pdl)
-    finally:
-        driver._active = previous
-    ptx = kernel.asm["ptx"]
+    ptx = sm90_ptx[f"{use_pdl}-{gated}"]
     assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") > 0
     if gated:  # gate and up rows in one wgmma (x's tile read from shared memory once for
         # both), the extra rows' in another: 2 x (64 + 8) columns
