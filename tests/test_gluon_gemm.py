@@ -1,10 +1,11 @@
 """Spec: the warp-specialized Gluon GEMM (rollout/layers/gluon_gemm.py), the table's entry for
-Qwen2-1.5B's gate/up + SiLU and its qkv, o and down (split along K) at 65-128 rows, and qkv, o
-and down at 17-64 rows, on a Hopper GPU.
+Qwen2-1.5B's gate/up + SiLU and its qkv, o and down (split along K) at 65-128 rows, qkv, o and
+down at 17-64 rows and gate/up at 33-64, on a Hopper GPU.
 
 Gluon has no interpreter, so on CPU the spec covers what can run there: the table names the
 kernel and the entry it replaced (what other GPUs take), the tile widths it refuses, and the
-kernel compiled for sm_90 (a stub driver naming an H200), waiting for the PDL predecessor in
+kernel compiled for sm_90 (a stub driver naming an H200, in a child process), gate and up in
+one wgmma, waiting for the PDL predecessor in
 both its partitions exactly when PDL is on. On the H200 (`gpu`): against cuBLAS + silu_and_mul
 (relative error <= 1e-2, METHOD.md) at 65, 100 and 128 rows, on ragged shapes (output columns
 past the last tile, K past the last chunk), and every tiling and PDL variant the config offers
