@@ -77,9 +77,9 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     (32, 17920, 1536, True): None,  # 26.4 µs vs cuBLAS+SiLU 20.5 (TMA: graph +6% at batch 32)
     # 33-64 rows: TMA-fed, 64 x 32 tiles (ninth session: alone 19.1 µs vs 23.6 for the kernel
     # without TMA, cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA
-    # qkv/o). Forty-ninth session: the Gluon GEMM (64 + 8 weight rows a program, one consumer
-    # warpgroup, eight stages, all loaded before the PDL wait; the entry above is its
-    # GLUON_FALLBACK) once its gate and up rows shared one wgmma: alone 16.25 µs vs 19.03, in
+    # qkv/o; now this key's GLUON_FALLBACK). Forty-ninth session: the Gluon GEMM (64 + 8 weight
+    # rows a program, one consumer warpgroup, eight stages, all loaded before the PDL wait) once
+    # its gate and up rows shared one wgmma: alone 16.25 µs vs 19.03, in
     # the engine the batch-64 decode graph 1.4952 -> 1.4881 ms (benchmarks/
     # ab_fortyninth_session.json, two rounds)
     (64, 17920, 1536, True): Config(72, 64, 1, 4, True, 8, 64, preload=8, gluon=True),
