@@ -79,9 +79,8 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # without TMA, cuBLAS + SiLU 21.2; batch-64 decode graph 1.6905 -> 1.6751 ms on top of TMA
     # qkv/o; now this key's GLUON_FALLBACK). Forty-ninth session: the Gluon GEMM (64 + 8 weight
     # rows a program, one consumer warpgroup, eight stages, all loaded before the PDL wait) once
-    # its gate and up rows shared one wgmma: alone 16.25 µs vs 19.03, in
-    # the engine the batch-64 decode graph 1.4952 -> 1.4881 ms (benchmarks/
-    # ab_fortyninth_session.json, two rounds)
+    # its gate and up rows shared one wgmma: alone 16.25 µs vs 19.03, in the engine the batch-64
+    # decode graph 1.4952 -> 1.4881 ms (benchmarks/ab_fortyninth_session.json, two rounds)
     (64, 17920, 1536, True): Config(72, 64, 1, 4, True, 8, 64, preload=8, gluon=True),
     # 65-128 rows (forty-third session): the warp-specialized Gluon kernel, x's rows on wgmma's M
     # side, 64 + 8 weight rows a program (125 programs for the H200's 132 SMs), two consumer
