@@ -1,8 +1,9 @@
 """The engine's Gluon gate/up + SiLU (rollout/layers/gluon_gemm.py) swept over its configs at
 decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in one process;
-`--proj down|o|qkv`: the same kernel as one of Qwen2-1.5B's plain projections (down 1,536 x
-8,960, o 1,536 x 1,536, qkv 2,048 x 1,536 with its bias) split along K, beside the table and
-cuBLAS; `--prefill`: the gate/up + SiLU at a prefill chunk's thousands of rows (128-row x tiles,
+`--proj down|o|qkv|lm_head`: the same kernel as one of Qwen2-1.5B's plain projections (down
+1,536 x 8,960, o 1,536 x 1,536, qkv 2,048 x 1,536 with its bias, split along K; the LM head
+151,936 x 1,536 unsplit, in tiles whose count fills whole waves of the H200's 132 SMs), beside
+the table and cuBLAS; `--prefill`: the gate/up + SiLU at a prefill chunk's thousands of rows (128-row x tiles,
 two consumer warpgroups, 128 gate and 128 up rows a tile, launched past the table's rows),
 beside cuBLAS + silu_and_mul, the path a prefill takes.
 
@@ -48,18 +49,34 @@ def configs(rows: int, prefill: bool = False):
 
 # plain projections of Qwen2-1.5B: (weight rows N, K, has bias)
 PROJECTIONS = {"down": (HIDDEN, INTER, False), "o": (HIDDEN, HIDDEN, False),
-               "qkv": (2048, HIDDEN, True)}
+               "qkv": (2048, HIDDEN, True), "lm_head": (151936, HIDDEN, False)}
 # (weight rows a program, K ranges) per projection: about one program an SM at 128 rows
 _PROJECTION_TILES = {"down": ((128, 11), (96, 8), (64, 5), (128, 8), (128, 6)),
                      "o": ((64, 4), (64, 5), (128, 8), (64, 3), (96, 8)),
                      "qkv": ((64, 4), (128, 8), (64, 2), (128, 6), (64, 3))}
 
 
-def projection_configs(proj: str, wide: bool = False):
-    """8 consumer warps on 128-row x tiles, 4 or 6 stages, 3 preloaded; `wide`: also 4 warps,
-    64-row x tiles (two M blocks), 8 stages, every stage preloaded, and the tiles at half the
-    split."""
+def lm_head_configs(rows: int):
+    """The LM head unsplit, one program an SM at a time (168-255 registers a thread hold one CTA
+    an SM): 144-row tiles make 1,056 programs, 8 waves of 132; 288-row tiles 528, 4 waves;
+    128- and 256-row tiles 1,187 and 594 (9 and 4.5). x's rows in one tile of 128 (8 consumer
+    warps) past 64 rows, of 64 (4 warps) up to it."""
     from rollout.layers.triton_gemv import Config
+    block_m, warps = (128, 8) if rows > 64 else (64, 4)
+    big = 6 if block_m == 128 else 8  # stages of 144- and 128-row tiles in ~200 KB
+    for block_n, stages, preload in ((144, big, 3), (128, big, 3), (288, 4, 2), (256, 4, 2),
+                                     (144, big, big)):
+        yield Config(block_n, 64, 1, warps, True, stages, block_m, preload=preload, gluon=True)
+
+
+def projection_configs(proj: str, wide: bool = False, rows: int = 128):
+    """The LM head: `lm_head_configs`. Else 8 consumer warps on 128-row x tiles, 4 or 6 stages,
+    3 preloaded; `wide`: also 4 warps, 64-row x tiles (two M blocks), 8 stages, every stage
+    preloaded, and the tiles at half the split."""
+    from rollout.layers.triton_gemv import Config
+    if proj == "lm_head":
+        yield from lm_head_configs(rows)
+        return
     tiles = _PROJECTION_TILES[proj]
     if wide:
         tiles += tuple((n, max(1, split // 2)) for n, split in tiles)
@@ -101,7 +118,7 @@ def sweep_projection(proj: str, rows_list, out_path, configs_out, min_gain: floa
                "cublas_us": time_per_call(lambda i: F.linear(x, ws[i], b), len(ws)) * 1e6,
                "table_us": time_per_call(lambda i: triton_gemv.skinny_linear(x, ws[i], b),
                                          len(ws)) * 1e6, "gluon": []}
-        for cfg in projection_configs(proj, wide):
+        for cfg in projection_configs(proj, wide, m):
             entry = {"config": cfg._asdict()}
             try:
                 entry["rel_err"] = rel_err(triton_gemv.skinny_linear(x, ws[0], b, config=cfg),

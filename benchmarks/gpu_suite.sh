@@ -1097,6 +1097,12 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           ab_stage q49a benchmarks/ab_fortyninth_session.json 300 32 64 128
           (cd /tmp/base49 && PYTHONPATH=/tmp/base49 run q49sweep_base 100 python3 \
               benchmarks/gpu_gluon_gate_up.py --rows 128 --out "$OUT/q49sweep_base.json") ;;
+    # fiftieth session: the LM head on the Gluon GEMM at 17-128 rows (tiles filling whole waves)
+    # and the 128-row gate/up's preloaded stages, in the engine; then the LM head alone
+    q50a) make_model q50make qwen2-1.5b 90
+          ab_stage q50a benchmarks/ab_fiftieth_session.json 420 32 64 128
+          run q50lm 100 python3 benchmarks/gpu_gluon_gate_up.py --proj lm_head --rows 32 64 128 \
+              --out "$OUT/q50lm.json" ;;
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
