@@ -1103,6 +1103,10 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
           ab_stage q50a benchmarks/ab_fiftieth_session.json 420 32 64 128
           run q50lm 100 python3 benchmarks/gpu_gluon_gate_up.py --proj lm_head --rows 32 64 128 \
               --out "$OUT/q50lm.json" ;;
+    # q50a's winner (gate/up preload 4) against 5, with the LM head at 17-32 rows on Gluon,
+    # and with qkv's and o's 128-row entries preloading all six stages
+    q50b) make_model q50make qwen2-1.5b 90
+          ab_stage q50b benchmarks/ab_fiftieth_session_b.json 480 32 128 ;;
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
