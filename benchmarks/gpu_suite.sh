@@ -1110,6 +1110,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # on top of gate/up preload 4: down's, qkv's and o's preloaded stages at 128 rows
     q50c) make_model q50make qwen2-1.5b 90
           ab_stage q50c benchmarks/ab_fiftieth_session_c.json 300 128 ;;
+    # the table, gate/up preload 4, and with down preload 4 too: three rounds
+    q50d) make_model q50make qwen2-1.5b 90
+          ROUNDS=3 ab_stage q50d benchmarks/ab_fiftieth_session_d.json 300 128 ;;
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
