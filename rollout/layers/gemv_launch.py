@@ -91,8 +91,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # -> 1.7139 with three (1.7331 with none; 4 consumer warps 1.7712). At 33-64 rows its best
     # config (64-row tiles, 8 stages) took 16.85 µs alone against the TMA entry's 19.14 but tied
     # in the engine (batch-64 graph 1.5363 vs 1.5391, _b.json); at 32 rows it did not beat
-    # cuBLAS + SiLU (20.44 vs 20.03).
-    (128, 17920, 1536, True): Config(72, 64, 1, 8, True, 6, 128, preload=3, gluon=True),
+    # cuBLAS + SiLU (20.44 vs 20.03). Fiftieth session, after the forty-ninth's one wgmma for
+    # gate and up: four stages' weights early (benchmarks/ab_fiftieth_session*.json, batch-128
+    # graph 1.6522 -> 1.6449, 1.6518 -> 1.6443, 1.6562 -> 1.6488 ms in three A/Bs; five 1.6611).
+    (128, 17920, 1536, True): Config(72, 64, 1, 8, True, 6, 128, preload=4, gluon=True),
     (256, 17920, 1536, True): None,  # 40.0 vs 27.1
     # down: the next K chunk's load issued before the FMA on this one, two chunks before the
     # PDL wait (eighth session: alone 9.9 -> 8.7 µs with the lookahead, cuBLAS 10.9; batch-1
@@ -174,8 +176,10 @@ _TUNED: dict[tuple[int, int, int, bool], Optional[Config]] = {
     # (64 weight rows a program, K split in 5: 120 programs, three of six stages' weight tiles
     # before the PDL wait), which alone had lost to that entry (12.91 vs 12.35 µs, forty-fifth
     # session), in the engine (benchmarks/ab_fortyseventh_session.json, two rounds each):
-    # batch-128 decode graph 1.6779 -> 1.6601 ms (128 rows x 11 splits: 1.7095).
-    (128, 1536, 8960, False): Config(64, 64, 5, 8, True, 6, 128, preload=3, gluon=True),
+    # batch-128 decode graph 1.6779 -> 1.6601 ms (128 rows x 11 splits: 1.7095). Fiftieth
+    # session, with gate/up's four early stages: four of down's too (ab_fiftieth_session_c/d.json:
+    # 1.6499 -> 1.6467, 1.6488 -> 1.6440 ms, every round; two 1.6542).
+    (128, 1536, 8960, False): Config(64, 64, 5, 8, True, 6, 128, preload=4, gluon=True),
     (256, 1536, 8960, False): None,  # 25.6 vs 17.7
     # Small decode batches, 2-16 rows (a rollout's tail; thirtieth session). Until then every
     # GEMM at 2-16 rows ran on cuBLAS, outside the PDL chain, and a batch-2 decode step cost
