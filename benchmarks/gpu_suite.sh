@@ -1119,6 +1119,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # the new table against qkv / o preloading 4 stages and down 5
     q50e) make_model q50make qwen2-1.5b 90
           ab_stage q50e benchmarks/ab_fiftieth_session_e.json 300 128 ;;
+    # o preloading 4 stages, and with qkv 4: three rounds
+    q50f) make_model q50make qwen2-1.5b 90
+          ROUNDS=3 ab_stage q50f benchmarks/ab_fiftieth_session_f.json 300 128 ;;
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
