@@ -13,6 +13,10 @@ ahead, as overlap scheduling does), on the Qwen2-1.5B shape with idle-cache cont
   graph_step   one graph holding input kernel + forward + sampler (indices static on device)
   graph_step_host  the same, its input kernel reading the indices from pinned host memory
   two_steps    one graph holding two such steps (per-step time)
+  graph_sampler_nopdl, graph_step_nopdl  graph_sampler and graph_step with the sampler's
+               kernels captured without PDL (fiftieth session: the thirty-first's guess was that,
+               captured under PDL, the sampler's programs become resident during the LM head
+               and slow it; without PDL they launch after it ends)
 
 It also checks that the graphed sampler draws the same tokens and logprobs as the eager one on
 the same logits.
@@ -22,6 +26,7 @@ the same logits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -79,8 +84,22 @@ class StepParts:
         return capture_graph(fn, self.pool)[0]
 
 
+@contextlib.contextmanager
+def sampler_without_pdl():
+    """The sampler's kernels launched (and captured) without PDL inside."""
+    saved = triton_sampler.launch_options
+    triton_sampler.launch_options = lambda **_: {"USE_PDL": False}
+    try:
+        yield
+    finally:
+        triton_sampler.launch_options = saved
+
+
 def variants(p: StepParts) -> dict:
     i = p.info
+    with sampler_without_pdl():
+        g_sampler_nopdl = p.capture(lambda: p.sample_into(p.forward()))
+        g_step_nopdl = p.capture(lambda: (p.fill(tokens=p.tokens), p.sample_into(p.forward())))
     g_sampler = p.capture(lambda: p.sample_into(p.forward()))
     g_step = p.capture(lambda: (p.fill(tokens=p.tokens), p.sample_into(p.forward())))
     g_step_host = p.capture(lambda: (p.fill(src=p.src_host, tokens=p.tokens), p.sample_into(p.forward())))
@@ -103,9 +122,15 @@ def variants(p: StepParts) -> dict:
         p.fill(tokens=p.tokens)
         g_sampler.replay()
 
+    def graph_sampler_nopdl():
+        p.fill(tokens=p.tokens)
+        g_sampler_nopdl.replay()
+
     return {"graph": (p.graph.replay, 1), "now": (now, 1), "now_nocopy": (now_nocopy, 1),
             "graph_sampler": (graph_sampler, 1), "graph_step": (g_step.replay, 1),
-            "graph_step_host": (g_step_host.replay, 1), "two_steps": (g_two.replay, 2)}
+            "graph_step_host": (g_step_host.replay, 1), "two_steps": (g_two.replay, 2),
+            "graph_sampler_nopdl": (graph_sampler_nopdl, 1),
+            "graph_step_nopdl": (g_step_nopdl.replay, 1)}
 
 
 def us_per_step(fn, steps_per_call: int, calls: int) -> float:
