@@ -1125,6 +1125,9 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # the step probe with the sampler captured into the graph without PDL (batch 1 and 128)
     q50g) run q50g 240 python3 benchmarks/step_graph_probe.py --batch-sizes 1 128 --rounds 3 \
               --out "$OUT/q50g.json" ;;
+    # the batch-128 attention's stages and warps again; the 17-64-row Gluon entries preloading 4
+    q50h) make_model q50make qwen2-1.5b 90
+          ab_stage q50h benchmarks/ab_fiftieth_session_h.json 300 32 64 128 ;;
     # gate/up at 33-64 rows on the Gluon GEMM too: the specs that run the gated kernel's paths
     q49b) run q49bspec 200 python3 -m pytest -q -m gpu tests/test_gluon_gemm.py tests/test_triton_gemv.py \
             tests/test_triton_pdl.py -p no:cacheprovider ;;
