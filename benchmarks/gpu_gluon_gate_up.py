@@ -3,9 +3,9 @@ decode batches, beside what the table runs there and cuBLAS + silu_and_mul, in o
 `--proj down|o|qkv|lm_head`: the same kernel as one of Qwen2-1.5B's plain projections (down
 1,536 x 8,960, o 1,536 x 1,536, qkv 2,048 x 1,536 with its bias, split along K; the LM head
 151,936 x 1,536 unsplit, in tiles whose count fills whole waves of the H200's 132 SMs), beside
-the table and cuBLAS; `--prefill`: the gate/up + SiLU at a prefill chunk's thousands of rows (128-row x tiles,
-two consumer warpgroups, 128 gate and 128 up rows a tile, launched past the table's rows),
-beside cuBLAS + silu_and_mul, the path a prefill takes.
+the table and cuBLAS; `--prefill`: the gate/up + SiLU at a prefill chunk's thousands of rows
+(128-row x tiles, two consumer warpgroups, 128 gate and 128 up rows a tile, launched past the
+table's rows), beside cuBLAS + silu_and_mul, the path a prefill takes.
 
 Qwen2-1.5B's gate/up (17,920 x 1,536), bf16; µs a call in a CUDA graph of back-to-back calls
 rotating weight copies larger than L2 (benchmarks/gpu_gemv.py's timing); every Gluon result is
