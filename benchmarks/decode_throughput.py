@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import json
 import logging
 import os
@@ -322,11 +323,13 @@ def run(args) -> dict:
         engine_call = engine_runner(engine, bs, args)
         if hf is not None:
             row = {"batch": bs, **compare(engine_call, hf_runner(hf, bs, args), args.repeats,
-                                          after_engine=lambda: graph_replay_ms(engine, bs, args))}
-            row["graph_replay_ms"] = row.pop("after_engine")
+                                          after_engine=lambda: graph_replays_ms(engine, bs, args))}
+            row["graph_replay_ms"], step_ms = row.pop("after_engine")
         else:
             row = {"batch": bs, "engine": timed(engine_call, args.repeats)}
-            row["graph_replay_ms"] = graph_replay_ms(engine, bs, args)
+            row["graph_replay_ms"], step_ms = graph_replays_ms(engine, bs, args)
+        if step_ms is not None:
+            row["step_graph_replay_ms"] = step_ms
         row["floor_tok_per_s"] = floor_tok_per_s(engine, bs, args, bandwidth)
         if gemm is not None:  # CPU: the compute floor at each library's measured GEMM peak
             row["gemm_floor_tok_per_s"] = {k: cpu_floor_tok_per_s(engine, bs, args, v)
@@ -352,6 +355,27 @@ def graph_replay_ms(engine: Engine, batch: int, args) -> float | None:
     (benchmarks/process_shape.py)."""
     from benchmarks.cuda_timing import full_batch_graph, replay_seconds
     graph = full_batch_graph(engine, batch, args.prompt_len + args.new_tokens)
+    return None if graph is None else replay_seconds(graph, 50) * 1e3
+
+
+def graph_replays_ms(engine: Engine, batch: int, args) -> tuple[float | None, float | None]:
+    """(`graph_replay_ms`, `step_graph_replay_ms`), both right after an engine call."""
+    return graph_replay_ms(engine, batch, args), step_graph_replay_ms(engine, batch, args)
+
+
+def step_graph_replay_ms(engine: Engine, batch: int, args) -> float | None:
+    """A small batch's whole step alone (`step_graphs`: input kernel, forward, sampler): the
+    step graph the call replayed last, 50 replays on its last step's source (None where no step
+    graph serves the batch). With the graph column, what the step adds to the forward."""
+    from benchmarks.cuda_timing import replay_seconds
+    gr = engine.runner.graph_runner
+    steps = gr.steps if gr is not None else None
+    if steps is None or not 0 < batch <= steps.max_bs or steps.replays == 0:
+        return None
+    size = steps.sizes[bisect.bisect_left(steps.sizes, batch)]
+    key = (size, gr.backend.decode_launch_class(size, args.prompt_len + args.new_tokens),
+           1 - steps.parity)
+    graph = steps.step_graphs.get(key)
     return None if graph is None else replay_seconds(graph, 50) * 1e3
 
 

@@ -65,7 +65,8 @@ def run_once(name: str, env: dict, args, out: Path, extra: list[str] = (),
         return {"error": proc.stderr[-2000:]}
     result = json.loads(out.read_text())
     return {str(r["batch"]): {"tok_per_s": r["engine"]["tok_per_s"],
-                              "graph_replay_ms": r.get("graph_replay_ms")}
+                              "graph_replay_ms": r.get("graph_replay_ms"),
+                              "step_graph_replay_ms": r.get("step_graph_replay_ms")}
             for r in result["rows"]} | {"startup_s": result["startup_s"]}
 
 
@@ -106,6 +107,10 @@ def main() -> None:
             ms = statistics.median(x["graph_replay_ms"] for x in ok)
             summary.setdefault(n, {})[bs] = {"tok_per_s": tok, "graph_replay_ms": ms}
             per = ", ".join(f"{x['tok_per_s']:.0f}/{x['graph_replay_ms']:.4f}" for x in ok)
+            steps = [x["step_graph_replay_ms"] for x in ok if x.get("step_graph_replay_ms")]
+            if steps:  # the whole step as one graph (step_graphs)
+                summary[n][bs]["step_graph_replay_ms"] = statistics.median(steps)
+                per += f"; step graph {statistics.median(steps):.4f}"
             print(f"{n:24} {bs:>5} {tok:15.1f} {ms:18.4f}  {per}")
     Path(args.out).write_text(json.dumps({"variants": variants, "runs": runs,
                                           "summary": summary}, indent=1))

@@ -1099,6 +1099,11 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
               benchmarks/gpu_gluon_gate_up.py --rows 128 --out "$OUT/q49sweep_base.json") ;;
     # fiftieth session: the LM head on the Gluon GEMM at 17-128 rows (tiles filling whole waves)
     # and the 128-row gate/up's preloaded stages, in the engine; then the LM head alone
+    # decode step graphs (rollout/step_graphs.py): their specs, then off / up to 16 / up to 128
+    q51spec) run q51spec 200 python3 -m pytest -q -m gpu tests/test_step_graphs.py tests/test_graph_inputs.py \
+            tests/test_triton_sampler.py tests/test_generate.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
+    q51a) make_model q51make qwen2-1.5b 90
+          ab_stage q51a benchmarks/ab_fiftyfirst_session.json 300 1 32 128 ;;
     q50a) make_model q50make qwen2-1.5b 90
           ab_stage q50a benchmarks/ab_fiftieth_session.json 420 32 64 128
           run q50lm 100 python3 benchmarks/gpu_gluon_gate_up.py --proj lm_head --rows 32 64 128 \

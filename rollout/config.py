@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,8 @@ def _read_eos(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 GPU_PREFILL_TOKENS = 8192
+# GPU: decode batches up to this size replay their whole step as one graph (`step_graphs`)
+DEFAULT_STEP_GRAPH_MAX_BS = 16
 # CPU: a prefill chunk whose widest activation (the gate|up output) stays within a few MB, so a
 # layer's activations stay in cache between its ops instead of streaming through DRAM. On the
 # 2-core development machine (cpu-small shape, 64 prompts of 32 tokens, 2,048 prompt tokens)
@@ -251,6 +254,10 @@ class EngineConfig:
     # ... and of up to this many requests (the next size up); None:
     # DEFAULT_PREFILL_GRAPH_REQUESTS, (1,): one-request prefills only
     cuda_graph_prefill_requests: Optional[tuple[int, ...]] = None
+    # decode batches of up to this many requests replay their whole step — input kernel,
+    # forward and sampler — as one CUDA graph (`step_graphs`); None: DEFAULT_STEP_GRAPH_MAX_BS
+    # (or ROLLOUT_STEP_GRAPH_MAX_BS), 0: none
+    cuda_graph_step_max_bs: Optional[int] = None
     # threads that compile the graphs' Triton kernels before their capture
     # (`triton_compile_ahead`); None: the process's CPU cores (at most 32), 0 or 1: each kernel
     # at its first launch, one at a time
@@ -292,6 +299,11 @@ class EngineConfig:
         for name in ("max_prefill_tokens", "kv_cache_tokens", "kv_cache_bytes", "max_context_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        step_max = self.cuda_graph_step_max_bs
+        if step_max is not None and (isinstance(step_max, bool) or not isinstance(step_max, int)
+                                     or step_max < 0):
+            raise ConfigError(f"cuda_graph_step_max_bs must be a non-negative integer (0: off), "
+                              f"got {step_max!r}")
         if not isinstance(self.preloaded_weights_bytes, int) or self.preloaded_weights_bytes < 0:
             raise ConfigError("preloaded_weights_bytes must be a non-negative integer, "
                               f"got {self.preloaded_weights_bytes!r}")
@@ -361,6 +373,17 @@ class EngineConfig:
         if self.cuda_graph_batch_sizes is not None:
             return self.cuda_graph_batch_sizes
         return (1, 2, 4, 8) + tuple(range(16, 257, 16))
+
+    @property
+    def graph_step_max_bs(self) -> int:
+        if self.cuda_graph_step_max_bs is not None:
+            return self.cuda_graph_step_max_bs
+        spec = os.environ.get("ROLLOUT_STEP_GRAPH_MAX_BS")  # an A/B's switch
+        if spec is None:
+            return DEFAULT_STEP_GRAPH_MAX_BS
+        if not spec.isdigit():
+            raise ConfigError(f"ROLLOUT_STEP_GRAPH_MAX_BS={spec!r}: want a batch size (0: off)")
+        return int(spec)
 
     @property
     def graph_prefill_tokens(self) -> tuple[int, ...]:

@@ -45,6 +45,7 @@ from rollout.triton_compile_ahead import AheadStats, compile_ahead, default_work
 
 if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner
+    from rollout.step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,10 @@ class CudaGraphRunner:
         except NotImplementedError as e:
             logger.warning("CUDA graphs disabled: %s (decode runs eagerly)", e)
             self.enabled = False
-            self.prefill = None
+            self.prefill = self.steps = None
             return
         self.prefill = self._prefill_graphs()
+        self.steps = self._step_graphs()
         self.capture()
 
     def _prefill_graphs(self) -> Optional[PrefillGraphs]:
@@ -155,12 +157,26 @@ class CudaGraphRunner:
             return None
         return PrefillGraphs(mr, sizes, mr.config.graph_prefill_requests)
 
+    def _step_graphs(self) -> Optional["StepGraphs"]:
+        """The whole-step graphs of the small decode batches (`step_graphs`): on a GPU (not the
+        CPU specs' eager stand-in graphs), one TP rank (a follower never samples), the fused
+        sampler on, a decode graph that small."""
+        mr = self.model_runner
+        max_bs = mr.config.graph_step_max_bs
+        if (max_bs == 0 or mr.device.type != "cuda" or mr.tp.size > 1
+                or not sampler.FUSED_GPU_SAMPLER or not any(s <= max_bs for s in self.batch_sizes)):
+            return None
+        from rollout.step_graphs import StepGraphs
+        return StepGraphs(self, max_bs)
+
     def release(self) -> None:
         """Drop every graph and its outputs (their private pool is freed with them)."""
         self.graphs.clear()
         self.outputs.clear()
         if self.prefill is not None:
             self.prefill.release()
+        if self.steps is not None:
+            self.steps.release()
 
     def recapture(self) -> None:
         if self.enabled and not self.graphs:
@@ -190,6 +206,8 @@ class CudaGraphRunner:
             self.graphs[key], self.outputs[key] = self._capture_one(key[0], max_seq_len, pool)
         logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs),
                     self.batch_sizes)
+        if self.steps is not None:
+            self.steps.capture(pool)
         if self.prefill is not None:
             self.prefill.capture(pool)
 
@@ -244,6 +262,8 @@ class CudaGraphRunner:
                                        self.inputs.pad, t, mr.req_to_token_pool.req_to_token, 1)
                      for t in (tokens, None)]
         forwards.append(functools.partial(mr.req_to_token_pool.write, idle[3], idle[1], idle[2]))
+        if self.steps is not None:
+            forwards += self.steps.stand_in_forwards()
         return forwards
 
     def _sample_stand_in(self, rows: int, dtype: torch.dtype, temperature: float) -> None:

@@ -84,7 +84,8 @@ class Engine(EngineWeightsMixin):
     def run_batch(self, fb: ForwardBatch) -> SampleOutput:
         """One forward + sample: what the scheduler calls each step."""
         fb.logits_read_at_once = True  # sampled right here, before any other forward (any dtype)
-        return self.runner.sample(self.forward(fb), fb)
+        out = self.runner.sample_step_graph(fb)  # a small decode batch: the whole step one graph
+        return out if out is not None else self.runner.sample(self.forward(fb), fb)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits of one batch. A TP leader overrides this to send `fb` to its followers first."""

@@ -94,6 +94,9 @@ class ForwardBatch:
     # this batch's order — its input ids, which `input_ids` does not hold yet. The runner takes
     # them in (`resolve_input_ids`, or a decode graph's input kernel reading them directly)
     input_ids_source: Optional[torch.Tensor] = None
+    # some rows' input ids were copied into `input_ids` on the device (from the previous step's
+    # tokens, in another row order): the host's ids do not hold them
+    input_ids_copied_on_device: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

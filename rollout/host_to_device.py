@@ -28,7 +28,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     pinned = host if host.is_pinned() else host.pin_memory()
-    stream = _copy_stream(device)
+    stream = copy_stream(device)
     if stream is None:
         return pinned.to(device, non_blocking=True)
     compute = torch.cuda.current_stream(device)
@@ -39,7 +39,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def _copy_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+def copy_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     """The device's copy stream; None when switched off or while a CUDA graph is captured (a
     capture must not fork onto another stream unjoined)."""
     if not COPY_STREAM or torch.cuda.is_current_stream_capturing():

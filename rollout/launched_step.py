@@ -51,8 +51,10 @@ class LaunchedStep:
         self._host = pack if written_by_kernel else _to_host(pack)
         if out.top_logprob_ids is not None:
             self._tops = (_to_host(out.top_logprob_ids), _to_host(out.top_logprob_values))
-        self._ready = torch.cuda.Event()
-        self._ready.record()
+        self._ready = out.ready
+        if self._ready is None:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
         self._guard = None
         if written_by_kernel:
             # a kernel, not a copy, writes it: the pinned-memory cache does not know, so the

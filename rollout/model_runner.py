@@ -154,6 +154,15 @@ class ModelRunner:
         self.take_inputs(fb)
         return self.forward_eager(fb)
 
+    @torch.inference_mode()
+    def sample_step_graph(self, fb: ForwardBatch) -> Optional[SampleOutput]:
+        """fb's forward and sampling queued as one step graph (`step_graphs`) where one serves
+        fb, else None (the caller runs `forward` and `sample`)."""
+        steps = self.graph_runner.steps if self.graph_runner is not None else None
+        if steps is None or self.released or not steps.can_run(fb):
+            return None
+        return steps.run(fb)
+
     def take_inputs(self, fb: ForwardBatch) -> None:
         """The step's pending input ids into `fb.input_ids`, its new KV slots (and the shared
         ones its rows start to reference) into req_to_token."""

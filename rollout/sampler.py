@@ -37,6 +37,10 @@ class SampleOutput:
     # [2, B] float64 (tokens, logprobs) when the sampler wrote them ready for the host: in
     # pinned host memory (the fused GPU sampler: no copy left to make), or on the device (one copy)
     host_pack: Optional[torch.Tensor] = None
+    # CUDA: passed once host_pack holds the values (None: the stream's work queued so far, as
+    # the fused sampler writing the pack itself needs; a captured step copies it on a stream of
+    # its own, `step_graphs`)
+    ready: Optional[torch.cuda.Event] = None
 
 
 def keep_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> Optional[torch.Tensor]:

@@ -29,6 +29,10 @@ class SamplingBatchInfo:
     any_greedy: bool = True  # some row is greedy: argmax needed
     all_temperature_one: bool = False  # logits / T is logits itself: no division
     _hashed: Optional[np.ndarray] = field(default=None, repr=False)  # seed_hash(seeds), host
+    # the packed fields as built on the host (numpy views, `_PACKED`): what a captured step's
+    # static inputs take (`step_graphs`) without reading the device. Their uniforms are the
+    # build's; a step's own come from `uniforms_at`.
+    host: Optional[dict[str, np.ndarray]] = field(default=None, repr=False)
 
     def uniforms_at(self, positions: Sequence[int]) -> np.ndarray:
         """The rows' uniforms (float64, host) for the tokens at `positions`. A decode step of the
@@ -63,6 +67,7 @@ class SamplingBatchInfo:
             any_greedy=any(p.is_greedy for p in distinct),
             all_temperature_one=all(p.is_greedy or p.temperature == 1.0 for p in distinct),
             _hashed=hashed,
+            host=fields,
         )
 
 

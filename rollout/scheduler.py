@@ -543,3 +543,4 @@ def _take_pending_inputs(fb: ForwardBatch, reqs: Sequence[Request], prev: Launch
         idx = idx.pin_memory()
     dst, src = idx.to(fb.input_ids.device, non_blocking=True)
     fb.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+    fb.input_ids_copied_on_device = True

@@ -105,16 +105,27 @@ def _div(x, t, COMPILED: tl.constexpr):
     return x / t
 
 
+# UNIT_T of the kernels: every row divides by its T; no row does (the caller knows every T is
+# 1: the batch's host-side flag); or each row checks its own T (a captured step, whose graph
+# serves every batch of its size: `step_graphs`). x / 1 is x, so all three give the same values.
+DIVIDE, UNIT_T_ALL, UNIT_T_PER_ROW = 0, 1, 2
+
+
 @triton.jit
 def _scaled_logits(Logits, stride_row, row, offs, V, t, UNIT_T: tl.constexpr,
                    COMPILED: tl.constexpr):
-    """logits / T of `row` at `offs` in float32 (`_div`); -inf past the vocabulary. UNIT_T:
-    every row's T is 1, and x / 1 is x: no division (at batch 128 the statistics kernel is
-    bound by its instructions)."""
+    """logits / T of `row` at `offs` in float32 (`_div`); -inf past the vocabulary. UNIT_T
+    (above): when T is 1 there is no division (at batch 128 the statistics kernel is bound by
+    its instructions)."""
     x = tl.load(Logits + row.to(tl.int64) * stride_row + offs, mask=offs < V,
                 other=float("-inf")).to(tl.float32)
-    if UNIT_T:
+    if UNIT_T == 1:
         return x
+    if UNIT_T == 2:
+        y = x
+        if t != 1.0:  # one row a program: a uniform branch
+            y = _div(x, t, COMPILED)
+        return y
     return _div(x, t, COMPILED)
 
 
@@ -222,7 +233,8 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     engine's launch behind a kernel cost a batch-1 step ~6 µs). Its values are there once the
     stream has passed `_pick`: the caller reads them after an event recorded behind it.
     `unit_temperature`: the caller knows every row's T is 1 (the batch's host-side flag), so
-    the kernels skip the division (the same values)."""
+    the kernels skip the division (the same values); UNIT_T_PER_ROW: each row skips it where
+    its own T is 1."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
     dev = logits.device
@@ -240,11 +252,12 @@ def sample_unfiltered(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
 def launch_into(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
                 uniforms: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor],
                 tokens: torch.Tensor, logprobs: torch.Tensor, packed: torch.Tensor,
-                launch: SamplerLaunch | None = None, unit_temperature: bool = False) -> None:
+                launch: SamplerLaunch | None = None, unit_temperature: bool | int = False) -> None:
     """The two kernels of `sample_unfiltered` writing into the caller's buffers: stats, two
     [B, cdiv(V, CHUNK)] float32 scratch tensors; tokens [B] int64, logprobs [B] float32,
     packed [2, B] float64 (device or pinned host memory). What a CUDA graph that samples
-    captures: its buffers stay where they are from replay to replay."""
+    captures: its buffers stay where they are from replay to replay. `unit_temperature`: as
+    `sample_unfiltered`'s, or UNIT_T_PER_ROW."""
     rows, vocab = logits.shape
     launch = launch or launch_for(rows)
     cmax, csum = stats
@@ -258,14 +271,14 @@ def launch_into(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.
     stride, group = logits.stride(0), launch.chunks_per_program
     _chunk_stats[(rows, triton.cdiv(chunks, group))](
         logits, stride, temperatures, cmax, csum, vocab, chunks, CHUNK=CHUNK, GROUP=group,
-        UNIT_T=unit_temperature, COMPILED=_COMPILED, num_warps=launch.stats_warps,
+        UNIT_T=int(unit_temperature), COMPILED=_COMPILED, num_warps=launch.stats_warps,
         **launch_options())
     _pick[(rows,)](logits, stride, temperatures, greedy, uniforms, cmax, csum, tokens,
                    logprobs, packed, rows, vocab, chunks, CHUNK=CHUNK,
-                   BLOCK_C=triton.next_power_of_2(chunks), UNIT_T=unit_temperature,
+                   BLOCK_C=triton.next_power_of_2(chunks), UNIT_T=int(unit_temperature),
                    COMPILED=_COMPILED, num_warps=launch.pick_warps, **launch_options())
 
 
 _COMPILED = _is_compiled(_pick)  # False under TRITON_INTERPRET=1
 
-__all__ = ["sample_unfiltered", "launch_into", "CHUNK", "SamplerLaunch"]
+__all__ = ["sample_unfiltered", "launch_into", "CHUNK", "SamplerLaunch", "UNIT_T_PER_ROW"]

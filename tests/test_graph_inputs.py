@@ -72,3 +72,56 @@ def test_fill_kernel_refuses_misfit_shapes():
     with pytest.raises(ValueError, match="one contiguous id per row"):
         triton_graph_inputs.fill_decode_inputs(src, inputs.table, inputs.pad,
                                                torch.zeros(3, dtype=torch.int64, device=DEV), r2t, 4)
+
+
+# ---- a decode step graph's input kernel (`step_graphs`) --------------------------------------
+def _step_source(packed: torch.Tensor, graph_bs: int, take_previous: list[bool]) -> torch.Tensor:
+    """The step source table [STEP_ROWS, MAX_BS] of a step: its index rows (input ids
+    TAKE_PREVIOUS where the row takes the previous step's token), padded columns of the
+    padded-row values, garbage sampler rows (the kernel does not read them), the batch size."""
+    src = torch.full((triton_graph_inputs.STEP_ROWS, MAX_BS), 12345, dtype=torch.int64)
+    bs = packed.shape[1]
+    src[:len(PAD_FIELDS), :bs] = packed[:len(PAD_FIELDS)]
+    src[0, :bs][torch.tensor(take_previous)] = triton_graph_inputs.TAKE_PREVIOUS
+    src[:len(PAD_FIELDS), bs:graph_bs] = GraphInputs.allocate(1, "cpu").pad[:, :1]
+    src[triton_graph_inputs.STEP_BS, 0] = bs
+    return src
+
+
+@pytest.mark.parametrize("bs,graph_bs", [(1, 1), (5, 8), (16, 16), (3, 4)])
+def test_step_fill_kernel_equals_the_three_ops(bs, graph_bs):
+    """The captured step's input kernel: the same table and req_to_token as the decode graph's
+    three ops, the batch size read from the source (not passed), a row's pending input id taken
+    from the previous step's tokens (row for row), the padded columns' values copied as they are
+    and their KV slots never written."""
+    packed = _step(bs, seed=bs * 11 + graph_bs)
+    take = [i % 2 == 0 for i in range(bs)]
+    previous = torch.arange(700, 700 + MAX_BS)
+    src = _step_source(packed, graph_bs, take)
+    got, want = GraphInputs.allocate(MAX_BS, DEV), GraphInputs.allocate(MAX_BS, DEV)
+    pools = [ReqToTokenPool(ROWS, CONTEXT, DEV) for _ in range(2)]
+    for inputs, pool in zip((got, want), pools):
+        inputs.table.fill_(-3)
+        pool.req_to_token.fill_(-7)
+    triton_graph_inputs.fill_step_inputs(src.to(DEV), got.table, previous.to(DEV),
+                                         pools[0].req_to_token, graph_bs)
+    ids = torch.where(torch.tensor(take), previous[:bs], packed[0])
+    _reference(packed.to(DEV), ids.to(DEV), graph_bs, want.table, want.pad, pools[1])
+    assert torch.equal(got.table, want.table)
+    assert torch.equal(pools[0].req_to_token, pools[1].req_to_token)
+    assert (got.table[:, graph_bs:] == -3).all()
+
+
+def test_step_fill_kernel_refuses_misfit_shapes():
+    inputs = GraphInputs.allocate(MAX_BS, DEV)
+    r2t = torch.zeros(ROWS, CONTEXT, dtype=torch.int32, device=DEV)
+    src = _step_source(_step(4, 0), 4, [False] * 4).to(DEV)
+    tokens = torch.zeros(MAX_BS, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_graph_inputs.fill_step_inputs(src[:9], inputs.table, tokens, r2t, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_graph_inputs.fill_step_inputs(src, inputs.table, tokens[:3], r2t, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_graph_inputs.fill_step_inputs(src, inputs.table, tokens, r2t, MAX_BS + 1)
+    with pytest.raises(ValueError, match="unit stride"):
+        triton_graph_inputs.fill_step_inputs(src, inputs.table, tokens[::2].repeat(2)[::2], r2t, 4)

@@ -94,6 +94,21 @@ def test_unit_temperature_shortcut_changes_nothing():
     assert torch.equal(sample(logits, info).tokens, plain[0])
 
 
+def test_per_row_unit_temperature_changes_nothing():
+    """A captured step's sampler (`step_graphs`) checks each row's T: rows at T = 1 skip the
+    division, the others divide; every token, logprob and host-pack value is the dividing
+    launch's, bit for bit, at any mix of temperatures and greedy rows."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(len(PARAMS) * 2, VOCAB, generator=gen) * 3.0).to(DEV)
+    info = _info(PARAMS * 2, list(range(len(PARAMS) * 2)), [9] * (len(PARAMS) * 2), DEV)
+    assert not info.all_temperature_one
+    divide, per_row = (triton_sampler.sample_unfiltered(logits, info.temperatures, info.greedy,
+                                                        info.uniforms, unit_temperature=mode)
+                       for mode in (triton_sampler.DIVIDE, triton_sampler.UNIT_T_PER_ROW))
+    for a, b in zip(divide, per_row):
+        assert torch.equal(a, b)
+
+
 FIRST, MIDDLE, LAST = (slice(i * triton_sampler.CHUNK, (i + 1) * triton_sampler.CHUNK) for i in range(3))
 
 
