@@ -1104,6 +1104,12 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
             tests/test_triton_sampler.py tests/test_generate.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
     q51a) make_model q51make qwen2-1.5b 90
           ab_stage q51a benchmarks/ab_fiftyfirst_session.json 300 1 32 128 ;;
+    # the step graphs' forward forked behind the input kernel: the specs (bf16 many times), then
+    # off / up to 16 at batch 1, three rounds
+    q51b) run q51bspec 200 bash -c 'python3 -m pytest -q -m gpu tests/test_step_graphs.py -p no:cacheprovider \
+            && python3 -m pytest -q tests/test_triton_sampler.py tests/test_graph_inputs.py -p no:cacheprovider'
+          make_model q51make qwen2-1.5b 90
+          ROUNDS=3 ab_stage q51b benchmarks/ab_fiftyfirst_session_b.json 240 1 ;;
     q50a) make_model q50make qwen2-1.5b 90
           ab_stage q50a benchmarks/ab_fiftieth_session.json 420 32 64 128
           run q50lm 100 python3 benchmarks/gpu_gluon_gate_up.py --proj lm_head --rows 32 64 128 \

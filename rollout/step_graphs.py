@@ -2,10 +2,15 @@
 forward and the fused sampler — replayed as one CUDA graph.
 
 A decode graph holds the forward only: around it a step queued the input kernel, the graph and
-the sampler's two kernels, each launch a gap on the GPU's critical path. The fiftieth session's
-probe (`benchmarks/step_graph_probe.py`) measured one graph of all three 7 µs a batch-1 step
-faster on an H200 (1,012.6 → 1,005.6 µs) and a tie at 128 requests, hence small batches only
-(`EngineConfig.cuda_graph_step_max_bs`).
+the sampler's two kernels — three Triton launches from Python a step, each tens of µs of host
+time. As one graph the step is one replay. On an H200 (docs/BENCHMARKS.md, fifty-first
+session) the GPU's step is as long either way — the fiftieth session's probe had measured the
+whole step as one graph 7 µs faster, but its forward was chained to the input kernel by PDL,
+which is not exact (`_step`); the full dependency costs what the launches saved — and the
+host's is shorter: batch 1 ran 974 tok/s both ways on a machine whose host kept ahead, 974
+against 941-962 on one whose host fell behind. Larger batches: the step graph's sampler and
+inputs ran slower than the plain path's (batch 32 -1%), hence small batches only
+(`EngineConfig.cuda_graph_step_max_bs`, 16).
 
 A captured step reads everything from static buffers, so what an eager step gets fresh each
 time lives in two sets of them, parities used by steps in turn:
@@ -136,6 +141,7 @@ class StepGraphs:
         self.parity = 0  # the next step's
         self.replays = 0
         self._readback_stream = torch.cuda.Stream(dev)
+        self._forward_stream = torch.cuda.Stream(dev)  # captures only (`_step`)
         idle = np.repeat(IDLE_COLUMN[:, None], self.max_bs, axis=1)
         idle[STEP_BS, 0] = 0  # no real row: captures' warm-ups and stand-ins write no req_to_token
         self._idle = torch.from_numpy(idle)
@@ -176,11 +182,22 @@ class StepGraphs:
         return capture_graph(lambda: self._step(fb, bs, parity), pool)[0]
 
     def _step(self, fb: ForwardBatch, bs: int, p: int) -> torch.Tensor:
-        """What a step graph holds (`_capture_one`): inputs, forward, sampler."""
+        """What a step graph holds (`_capture_one`): inputs, forward, sampler. The forward runs
+        on a stream forked behind the input kernel: in the graph a full dependency, not a
+        programmatic one. The forward's kernels load what no kernel of a forward writes — the
+        static inputs among it, e.g. the attention's new KV slot from req_to_token — before their
+        PDL wait; chained to the input kernel by PDL (each triggering the next early), they may
+        load them before it has written them. On an H200 a bf16 step graph chained so drew
+        another token than the plain path once (the last of a 20-token sample); forked, every
+        draw of the specs is the plain path's."""
         mr = self.graphs.model_runner
         triton_graph_inputs.fill_step_inputs(self.src[p], self.graphs._inputs_for(bs).table,
                                              self.tokens[1 - p], mr.req_to_token_pool.req_to_token, bs)
-        self._sample(self.graphs._forward(fb), bs, p)
+        main = torch.cuda.current_stream(self.device)
+        self._forward_stream.wait_stream(main)
+        with torch.cuda.stream(self._forward_stream):
+            self._sample(self.graphs._forward(fb), bs, p)
+        main.wait_stream(self._forward_stream)
         return self.tokens[p]
 
     def _sample(self, logits: torch.Tensor, bs: int, p: int) -> None:

@@ -93,8 +93,8 @@ def _fill_step_kernel(Src, stride_src, Table, stride_table, Tokens, ReqToToken, 
     real = offs < bs
     for f in tl.static_range(NUM_FIELDS):
         v = tl.load(Src + f * stride_src + offs, mask=in_graph, other=0)
-        if f == 0:
-            previous = tl.load(Tokens + offs, mask=in_graph & (v < 0), other=0)
+        if f == 0:  # loaded whatever v says: one latency of memory, not two in a row
+            previous = tl.load(Tokens + offs, mask=in_graph, other=0)
             v = tl.where(v < 0, previous, v)
         tl.store(Table + f * stride_table + offs, v, mask=in_graph)
     row = tl.load(Src + 3 * stride_src + offs, mask=real, other=0)

@@ -102,11 +102,11 @@ def gpu_pair(tiny_dirs):
     return _gpu_engine(tiny_dirs, 0), _gpu_engine(tiny_dirs, 8)
 
 
-def _params(n: int) -> list[SamplingParams]:
+def _params(n: int, seed: int = 50) -> list[SamplingParams]:
     """Ragged lengths (finishes while other rows run on: the batch shrinks and re-pads), greedy
     rows, T = 1 and other temperatures, one seed each."""
     return [SamplingParams(max_new_tokens=6 + 7 * (i % 3), temperature=(1.0, 0.0, 0.8)[i % 3],
-                           seed=50 + i) for i in range(n)]
+                           seed=seed + i) for i in range(n)]
 
 
 def _assert_same(a, b):
@@ -175,8 +175,14 @@ def test_step_graphs_without_overlap(tiny_dirs, gpu_pair):
 
 @gpu
 def test_step_graphs_in_bf16(tiny_dirs):
-    """The engine's dtype on the benchmark's path: bf16 logits into the captured sampler."""
+    """The engine's dtype on the benchmark's path (the one-row Triton GEMMs, their loads before
+    the PDL wait): bf16 logits into the captured sampler. Many steps: a captured step whose
+    forward read its inputs before the input kernel had written them forked at one token."""
     plain, stepped = (_gpu_engine(tiny_dirs, m, dtype="bfloat16") for m in (0, 4))
-    prompts = RAGGED[:3]
-    _assert_same(plain.generate(prompts, _params(3)), stepped.generate(prompts, _params(3)))
+    for k in range(6):
+        prompts = [RAGGED[(k + i) % len(RAGGED)] for i in range(1 + k % 4)]
+        params = [p for p in _params(len(prompts), seed=100 * k)]
+        for p in params:
+            p.max_new_tokens += 30
+        _assert_same(plain.generate(prompts, params), stepped.generate(prompts, params))
     assert stepped.runner.graph_runner.steps.replays > 0
