@@ -1110,10 +1110,10 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
             && python3 -m pytest -q tests/test_triton_sampler.py tests/test_graph_inputs.py -p no:cacheprovider'
           make_model q51make qwen2-1.5b 90
           ROUNDS=3 ab_stage q51b benchmarks/ab_fiftyfirst_session_b.json 240 1 ;;
-    # the whole engine with PDL and without (bit for bit), then q51b's A/B again (three rounds)
-    q51c) run q51cspec 200 python3 -m pytest -q -m gpu tests/test_triton_pdl.py -p no:cacheprovider
+    # the whole engine with PDL and without (bit for bit), then step graphs and the first norm's trigger
+    q51c) run q51cspec 170 python3 -m pytest -q -m gpu tests/test_triton_pdl.py tests/test_step_graphs.py -p no:cacheprovider
           make_model q51make qwen2-1.5b 90
-          ROUNDS=3 ab_stage q51c benchmarks/ab_fiftyfirst_session_b.json 200 1 ;;
+          ab_stage q51c benchmarks/ab_fiftyfirst_session_c.json 150 1 ;;
     q50a) make_model q50make qwen2-1.5b 90
           ab_stage q50a benchmarks/ab_fiftieth_session.json 420 32 64 128
           run q50lm 100 python3 benchmarks/gpu_gluon_gate_up.py --proj lm_head --rows 32 64 128 \

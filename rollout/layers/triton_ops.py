@@ -283,7 +283,8 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
     mask = (offs_h < H)[:, None] & d_mask[None, :]
-    # The step's inputs (written before its first kernel): loaded before the wait
+    # The step's inputs (written before its first kernel, or by it: cos and sin, complete before
+    # the first layer's norm lets its successor launch, DecoderLayer.forward): before the wait
     cos = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     if STORE_KV:

@@ -128,8 +128,10 @@ def _qkv_rope_tma_kernel(
 
 @triton.jit
 def _step_inputs(Cos, Sin, Loc, rows_m, offs_d, stride_ct, stride_st):
-    """The rows' cos and sin at the columns d = offs_d, and their KV slots. The step's inputs,
-    written before its first kernel: they load before the PDL wait, as the weights do."""
+    """The rows' cos and sin at the columns d = offs_d, and their KV slots. The step's inputs
+    — the slots written before its first kernel, cos and sin by that kernel (`triton_embed`),
+    complete before the first layer's norm lets its successor launch (`DecoderLayer.forward`)
+    — load before the PDL wait, as the weights do."""
     cos = tl.load(Cos + rows_m[:, None] * stride_ct + offs_d[None, :]).to(tl.float32)
     sin = tl.load(Sin + rows_m[:, None] * stride_st + offs_d[None, :]).to(tl.float32)
     return cos, sin, tl.load(Loc + rows_m).to(tl.int64)

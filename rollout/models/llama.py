@@ -246,7 +246,12 @@ class DecoderLayer(nn.Module):
         may still be split-K partials, which that kernel sums). The first layer gets
         residual=None. The same sums as `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            # the first norm lets its successor launch only after its PDL wait: the kernels after
+            # it load the step's rotary rows before their own wait, and the embedding kernel
+            # before it writes them (triggered early, the qkv kernel could read them first)
+            with pdl_policy.decode_forward(False):
+                normed = self.input_layernorm(h)
+            residual, h = h, normed
             h = self.self_attn(rope, h, fb)
         else:
             h, residual = self.self_attn.forward_normed(rope, h, residual, self.input_layernorm,
