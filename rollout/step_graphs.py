@@ -8,9 +8,9 @@ session) the GPU's step is as long either way — the fiftieth session's probe h
 whole step as one graph 7 µs faster, but its forward was chained to the input kernel by PDL,
 which is not exact (`_step`); the full dependency costs what the launches saved — and the
 host's is shorter: batch 1 ran 972-974 tok/s against 975 without them on a machine whose host
-kept ahead, 970-974 against 941-962 on one whose host fell behind. Larger batches: the step graph's sampler and
-inputs ran slower than the plain path's (batch 32 -1%), hence small batches only
-(`EngineConfig.cuda_graph_step_max_bs`, 16).
+kept ahead, 970-974 against 941-962 on one whose host fell behind. Larger batches: the step
+graph's sampler and inputs ran slower than the plain path's (batch 32 -1%), hence small batches
+only (`EngineConfig.cuda_graph_step_max_bs`, 16).
 
 A captured step reads everything from static buffers, so what an eager step gets fresh each
 time lives in two sets of them, parities used by steps in turn:
