@@ -1100,6 +1100,10 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # fiftieth session: the LM head on the Gluon GEMM at 17-128 rows (tiles filling whole waves)
     # and the 128-row gate/up's preloaded stages, in the engine; then the LM head alone
     # decode step graphs (rollout/step_graphs.py): their specs, then off / up to 16 / up to 128
+    # fifty-second session: batch 1 in an engine sized for 1 or 128 requests and beside batches
+    # 32 and 128 (the decode table's process, HF aside), engine alone, alternated
+    q52a) make_model q52make qwen2-1.5b 90
+          ab_stage q52a benchmarks/ab_fiftysecond_session.json 330 1 ;;
     q51spec) run q51spec 200 python3 -m pytest -q -m gpu tests/test_step_graphs.py tests/test_graph_inputs.py \
             tests/test_triton_sampler.py tests/test_generate.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
     q51a) make_model q51make qwen2-1.5b 90

@@ -23,12 +23,27 @@ from benchmarks.decode_throughput import SHAPES, gpu_engine, prompts_for
 from rollout import SamplingParams
 
 
-def kernel_table(graph, replays: int) -> list[dict]:
+def kernel_table(graph, replays: int) -> tuple[list[dict], list[dict]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    return cuda_kernel_rows(prof, replays)
+    return cuda_kernel_rows(prof, replays), kernel_sequence(prof, replays)
+
+
+def kernel_sequence(prof, replays: int) -> list[dict]:
+    """A replay's kernels in launch order, each position's GPU time averaged over the replays:
+    the per-op split that `cuda_kernel_rows` lumps by kernel name (e.g. the one-row GEMV
+    kernel serving o, gate/up, down and the LM head)."""
+    events = sorted((e for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events or len(events) % replays:
+        return []
+    per = len(events) // replays
+    return [{"kernel": events[i].name[:80],
+             "us": sum(events[r * per + i].time_range.elapsed_us() for r in range(replays)) / replays}
+            for i in range(per)]
 
 
 def cuda_kernel_rows(prof, replays: int) -> list[dict]:
@@ -61,9 +76,10 @@ def main() -> None:
         engine.generate(prompts_for(bs, args.prompt_len, spec.vocab_size), sp)  # contexts ~192
         graph = full_batch_graph(engine, bs, args.prompt_len + args.new_tokens, required=True)
         replay_ms = replay_seconds(graph, 50) * 1e3
-        rows = kernel_table(graph, args.replays)
+        rows, sequence = kernel_table(graph, args.replays)
         total = sum(r["us_per_replay"] for r in rows)
-        result["batches"][bs] = {"replay_ms": replay_ms, "kernel_us_sum": total, "kernels": rows}
+        result["batches"][bs] = {"replay_ms": replay_ms, "kernel_us_sum": total, "kernels": rows,
+                                 "sequence": sequence}
         print(f"bs={bs}: replay {replay_ms:.3f} ms, kernels sum {total / 1e3:.3f} ms, "
               f"{sum(r['launches_per_replay'] for r in rows):.0f} launches a replay")
         for r in rows[:18]:

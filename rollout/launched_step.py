@@ -47,8 +47,10 @@ class LaunchedStep:
         pack = out.host_pack
         if pack is None:
             pack = torch.stack((out.tokens.double(), out.logprobs.double()))
-        written_by_kernel = pack.device.type == "cpu"  # the fused sampler's pinned pack
-        self._host = pack if written_by_kernel else _to_host(pack)
+        # a pinned pack already on its way: the fused sampler's kernel writes it, or a step
+        # graph's readback copy (`step_graphs`)
+        pinned_pack = pack.device.type == "cpu"
+        self._host = pack if pinned_pack else _to_host(pack)
         if out.top_logprob_ids is not None:
             self._tops = (_to_host(out.top_logprob_ids), _to_host(out.top_logprob_values))
         self._ready = out.ready
@@ -56,10 +58,11 @@ class LaunchedStep:
             self._ready = torch.cuda.Event()
             self._ready.record()
         self._guard = None
-        if written_by_kernel:
-            # a kernel, not a copy, writes it: the pinned-memory cache does not know, so the
+        if pinned_pack:
+            # where a kernel, not a copy, writes it the pinned-memory cache does not know, so the
             # buffer must not go back to it (and to its next user) before the stream has passed
-            # that kernel, even if this step is dropped unread
+            # that kernel, even if this step is dropped unread (a copy's pack the cache tracks
+            # itself: the guard is redundant there, and harmless)
             self._guard = weakref.finalize(self, _release_after, self._ready, pack)
             self._guard.atexit = False  # at exit nothing reuses the buffer
 

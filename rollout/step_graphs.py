@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import triton
 
-from rollout import sampler, triton_graph_inputs, triton_sampler
+from rollout import triton_graph_inputs, triton_sampler
 from rollout.cuda_graph_runner import PAD_VALUES
 from rollout.forward_batch import ForwardBatch
 from rollout.graph_capture import capture_graph
@@ -214,8 +214,7 @@ class StepGraphs:
         return (bool(self.step_graphs) and fb.forward_mode.is_decode
                 and 0 < fb.batch_size <= self.max_bs and fb.host_indices is not None
                 and not fb.input_ids_copied_on_device and info is not None and info.host is not None
-                and not info.needs_filter and info.max_top_logprobs == 0
-                and sampler.FUSED_GPU_SAMPLER)
+                and not info.needs_filter and info.max_top_logprobs == 0)
 
     def run(self, fb: ForwardBatch) -> SampleOutput:
         """Queues step `fb` (inputs, graph, readback) without blocking; its tokens and logprobs
@@ -248,13 +247,13 @@ class StepGraphs:
     def _copy_in(self, fb: ForwardBatch, graph_bs: int, p: int, take_previous: bool) -> None:
         """The step's source into src[p], on the copy stream once parity p's last graph is done."""
         copied = self.copied_in[p]
-        copied.synchronize()  # the staging buffer's last copy has been made (not yet recorded: no wait)
+        copied.synchronize()  # the staging buffer's last copy has been made (a first step: no wait)
         write_step(self.staging[p].numpy(), fb, graph_bs, take_previous)
         stream = copy_stream(self.device)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream or compute):
             if stream is not None:
-                stream.wait_event(self.graph_done[p])  # never recorded: no wait
+                stream.wait_event(self.graph_done[p])  # a first step: an unrecorded event, no wait
             self.src[p][:, :graph_bs].copy_(self.staging[p][:, :graph_bs], non_blocking=True)
             copied.record()
         if stream is not None:
