@@ -1104,6 +1104,26 @@ print('2,4' if s['fold']['1']['graph_replay_ms'] < s['no_fold']['1']['graph_repl
     # 32 and 128 (the decode table's process, HF aside), engine alone, alternated
     q52a) make_model q52make qwen2-1.5b 90
           ab_stage q52a benchmarks/ab_fiftysecond_session.json 330 1 ;;
+    # step graphs at batch 1 only, and the per-head attention at batch 1, in the decode
+    # benchmark's process shape (batches 1, 32, 128), engine alone
+    q52b) make_model q52make qwen2-1.5b 90
+          ab_shape q52b benchmarks/ab_fiftysecond_session_b.json 560 qwen2-1.5b 2 1 32 128 ;;
+    # the decode table's own run (beside HF), the default and q52b's "both" (step graphs at batch
+    # 1 only, the per-head attention at batch 1), alternated, two rounds
+    q52c) make_model q52make qwen2-1.5b 90
+          PER_HEAD_1='1:1,256,8,2,1,1|8,128,4,3,1;16:8,32,4,2,1|8,128,4,3,1;32:4,64,2,3,0,0,1;64:4,64,2,3;128:1,128,4,2,1;256:1,64,2,4'
+          for r in 1 2; do
+            for v in default both; do
+              if [ $v = both ]; then envs="ROLLOUT_STEP_GRAPH_MAX_BS=1 ROLLOUT_DECODE_ATTN_CONFIGS=$PER_HEAD_1"; else envs=""; fi
+              run q52c_${v}_$r 150 env $envs python3 benchmarks/decode_throughput.py --shape qwen2-1.5b \
+                --device cuda --dtype bfloat16 --batch-sizes 1 32 128 --prompt-len 128 --new-tokens 128 \
+                --repeats 2 --out "$OUT/q52c_${v}_$r.json"
+            done
+          done ;;
+    # the per-head attention at batch 1 and step graphs at batch 1 only (the new defaults): the
+    # whole engine with PDL and without, the step graphs, the attention kernels and graphs
+    q52spec) run q52spec 150 python3 -m pytest -q -m gpu tests/test_triton_pdl.py tests/test_step_graphs.py -p no:cacheprovider
+             run q52spec_kernels 110 python3 -m pytest -q -m gpu tests/test_triton_kernels.py -p no:cacheprovider ;;
     q51spec) run q51spec 200 python3 -m pytest -q -m gpu tests/test_step_graphs.py tests/test_graph_inputs.py \
             tests/test_triton_sampler.py tests/test_generate.py tests/test_overlap_schedule.py -p no:cacheprovider ;;
     q51a) make_model q51make qwen2-1.5b 90

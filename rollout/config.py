@@ -208,8 +208,12 @@ def _read_eos(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 GPU_PREFILL_TOKENS = 8192
-# GPU: decode batches up to this size replay their whole step as one graph (`step_graphs`)
-DEFAULT_STEP_GRAPH_MAX_BS = 16
+# GPU: decode batches up to this size replay their whole step as one graph (`step_graphs`). One
+# request only: with the graphs of 2-16 requests captured too, the batch-1 decode graph with the
+# per-head attention ran 2% slower in the decode benchmark's process (fifty-second session,
+# docs/BENCHMARKS.md; the cause, a placement of the graphs' memory or their kernels' CTAs, not
+# found), and at 2-16 requests step graphs had not measured faster on the GPU
+DEFAULT_STEP_GRAPH_MAX_BS = 1
 # CPU: a prefill chunk whose widest activation (the gate|up output) stays within a few MB, so a
 # layer's activations stay in cache between its ops instead of streaming through DRAM. On the
 # 2-core development machine (cpu-small shape, 64 prompts of 32 tokens, 2,048 prompt tokens)

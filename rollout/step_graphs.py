@@ -9,8 +9,10 @@ whole step as one graph 7 µs faster, but its forward was chained to the input k
 which is not exact (`_step`); the full dependency costs what the launches saved — and the
 host's is shorter: batch 1 ran 972-974 tok/s against 975 without them on a machine whose host
 kept ahead, 970-974 against 941-962 on one whose host fell behind. Larger batches: the step
-graph's sampler and inputs ran slower than the plain path's (batch 32 -1%), hence small batches
-only (`EngineConfig.cuda_graph_step_max_bs`, 16).
+graph's sampler and inputs ran slower than the plain path's (batch 32 -1%). By default one
+request only (`EngineConfig.cuda_graph_step_max_bs`, `config.DEFAULT_STEP_GRAPH_MAX_BS`: the
+graphs of 2-16 requests captured beside it cost the batch-1 step 2% in the decode benchmark's
+process, fifty-second session); any size up to the decode graphs' is served.
 
 A captured step reads everything from static buffers, so what an eager step gets fresh each
 time lives in two sets of them, parities used by steps in turn:

@@ -254,7 +254,8 @@ def test_decode_launch_table_from_the_environment(monkeypatch):
     a malformed one is refused with the entry named."""
     monkeypatch.delenv("ROLLOUT_DECODE_ATTN_CONFIGS", raising=False)
     assert decode.launch_table_from_env() is None
-    assert decode.decode_launch_config(1, kv_heads=2) == decode.DecodeConfig(8, num_stages=2,
+    assert decode.decode_launch_config(1, kv_heads=2) == decode.PER_HEAD_ONE_REQUEST
+    assert decode.decode_launch_config(2, kv_heads=2) == decode.DecodeConfig(8, num_stages=2,
                                                                              preload_kv=True)
     monkeypatch.setenv("ROLLOUT_DECODE_ATTN_CONFIGS", "16:4,64,4,2; 256:1,64,2,3")
     table = decode.launch_table_from_env()
@@ -304,6 +305,12 @@ def test_decode_launches_by_context_length():
         long = decode.decode_launch_config(batch, max_keys=258, kv_heads=2)
         assert long == decode.DecodeConfig(8, 128, 4, 3, True)
     assert decode.decode_launch(2, max_splits=2, kv_heads=2).long.splits == 2
+    # one request: the per-head kernel for a short context of up to 2 KV heads (measured with
+    # Qwen2-1.5B's), the split kernel for more KV heads
+    assert decode.decode_launch_config(1, max_keys=257, kv_heads=2).per_head is True
+    assert decode.decode_launch_config(1, max_keys=257, kv_heads=1).per_head is True
+    assert decode.decode_launch_config(1, max_keys=257, kv_heads=8).per_head is False
+    assert decode.decode_launch_config(2, max_keys=257, kv_heads=2).per_head is False
     # the L2 prefetch of the context before the PDL wait: 17-32 requests only (a CUDA-graph
     # size edge: a batch and the graph it is padded to launch alike)
     assert [decode.decode_launch_config(b, kv_heads=2).prefetch_l2

@@ -277,6 +277,12 @@ def _parse_config(text: str) -> DecodeConfig:
     return cfg
 
 
+# One request of up to 2 KV heads (Qwen2-1.5B's; other head counts not measured with it), a
+# context of up to LONG_CONTEXT_KEYS keys: a program per query head holding all 256 earlier keys
+# before the PDL wait, no merge kernel (`decode_launch`: fifty-second session)
+PER_HEAD_ONE_REQUEST = DecodeConfig(1, 256, 8, 2, preload_kv=True, per_head=True)
+
+
 def decode_launch_config(batch: int, max_splits: int = 8, table: Optional[LaunchTable] = None,
                          max_keys: int = 1, *, kv_heads: int) -> DecodeConfig:
     """The launch config for a decode batch on a GPU whose longest context has `max_keys` keys
@@ -347,13 +353,20 @@ def decode_launch(batch: int, max_splits: int = 8, table: Optional[LaunchTable] 
     (docs/BENCHMARKS.md): the second block's slots before the wait 1.6835 -> 1.7502 ms, the
     first block's values after it 1.6792 -> 1.7012, the wait inside a pipelined key loop (async
     copies before it) 1.6820 -> 1.7815, qkv's rotary done in this kernel (no rotary kernel
-    before it, under whose run the preload overlaps) 1.6792 -> 1.7513."""
+    before it, under whose run the preload overlaps) 1.6792 -> 1.7513. Fifty-second session: the
+    per-head kernel at one request of up to 2 KV heads (`PER_HEAD_ONE_REQUEST`), with step graphs
+    at batch 1 only (`config.DEFAULT_STEP_GRAPH_MAX_BS`): in the decode benchmark's own run
+    beside HF, two rounds, 975.4 / 976.5 -> 981.9 / 987.1 tok/s, batch-1 decode graph 1.0004 ->
+    0.9918 ms; with step graphs up to 16 requests it lost in that process shape (engine alone,
+    batches 1, 32 and 128: 1.0066 -> 1.0148 ms), as in the twenty-third session."""
     if table:  # another table (`launch_table_from_env`); past its last edge, its last entry
         launch = next((c for edge, c in table if batch <= edge), table[-1][1])
         return launch.capped(max_splits)
+    long = DecodeConfig(max_splits, 128, 4, 3, True)
+    if batch == 1 and kv_heads <= 2:
+        return DecodeLaunch(PER_HEAD_ONE_REQUEST, long)
     if batch <= 16:
-        return DecodeLaunch(DecodeConfig(max_splits, num_stages=2, preload_kv=True),
-                            DecodeConfig(max_splits, 128, 4, 3, True))
+        return DecodeLaunch(DecodeConfig(max_splits, num_stages=2, preload_kv=True), long)
     return DecodeLaunch(_many_requests(batch * kv_heads, max_splits))
 
 
