@@ -282,6 +282,11 @@ def main() -> None:
     p.add_argument("--prefix-cache", action="store_true",
                    help="the prefix cache on, each call with fresh prompts (what it costs when "
                         "nothing is found: an RL rollout after a weight update)")
+    p.add_argument("--reserve-mb", type=int, default=0,
+                   help="GPU memory held (allocated, unused) from before the engine's start to "
+                        "the end: its tensors and graphs at other addresses, nothing else "
+                        "changed (fifty-second session: batch 1's decode graph moved by 2%% with "
+                        "what else the engine had captured)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-cache", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -296,6 +301,8 @@ def main() -> None:
 
 def run(args) -> dict:
     model_dir = model_dir_for(args.shape)
+    reserved = (torch.empty(args.reserve_mb << 20, dtype=torch.uint8, device=args.device)
+                if args.reserve_mb else None)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model_path=str(model_dir), device=args.device, dtype=args.dtype,
                                  # the repeated prompts' cost uncached (gpu_engine_config)
@@ -344,7 +351,8 @@ def run(args) -> dict:
             "samples_per_prompt": args.samples_per_prompt,
             "share_prompt_kv": not args.no_share_prompt_kv,
             "prefix_cache": args.prefix_cache,
-            "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": rows}
+            "new_tokens": args.new_tokens, "torch": torch.__version__,
+            "reserved_mb": 0 if reserved is None else reserved.numel() >> 20, "rows": rows}
 
 
 def graph_replay_ms(engine: Engine, batch: int, args) -> float | None:
